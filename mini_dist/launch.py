@@ -1,0 +1,131 @@
+"""The launch helper every module shares: from torchrun's environment to a ready process group.
+
+`torchrun --nproc_per_node=P --nnodes=N ...` starts P*N copies of a script and tells each one who it is
+through environment variables: RANK (0..world-1), WORLD_SIZE, LOCAL_RANK (0..P-1 on its node),
+LOCAL_WORLD_SIZE, and MASTER_ADDR/MASTER_PORT (where rank 0 hosts the rendezvous store). `setup()` reads
+them, picks a backend and a device, and joins the process group:
+
+    NCCL + cuda:LOCAL_RANK   when CUDA is present and every local rank can have a GPU of its own
+    gloo + cpu               otherwise (a laptop, CI), or when MINI_DIST_BACKEND=gloo says so
+
+Every group is created with a timeout (MINI_DIST_TIMEOUT seconds, default 120): if a rank dies or hangs,
+the others raise instead of waiting forever, and torchrun's report names the rank that failed first.
+`conclude()` ends a demo: every rank agrees on pass/fail (one all-reduce of MIN), rank 0 prints the
+summary line that `./run.sh` collects, and the exit code is non-zero if any check failed.
+
+Demo (each rank says who it is, then one all-reduce of the ranks proves the group works):
+
+    torchrun --standalone --nproc_per_node=4 mini_dist/launch.py
+"""
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+VERBOSE = os.environ.get("VERBOSE") == "1"
+
+
+@dataclass(frozen=True)
+class Env:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+
+def choose_backend(local_world_size: int) -> str:
+    """NCCL needs one GPU per rank (it refuses two ranks on one GPU); everything else runs on gloo."""
+    forced = os.environ.get("MINI_DIST_BACKEND")
+    if forced:
+        return forced
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+        return "nccl"
+    return "gloo"
+
+
+def timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("MINI_DIST_TIMEOUT", "120")))
+
+
+def setup(backend: str | None = None, seed: int = 0) -> Env:
+    """Join the default process group described by torchrun's variables (a single process without them)."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    backend = backend or choose_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout(),
+                                device_id=device if backend == "nccl" else None)
+    torch.manual_seed(seed)
+    return Env(rank, world, local_rank, backend, device)
+
+
+def free_port() -> int:
+    """A port the OS says is free right now (never a fixed one: fixed ports collide on shared machines)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its own GPU under NCCL, the CPU under gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def new_group(ranks) -> dist.ProcessGroup:
+    """A subgroup with the same timeout as the world (every rank of the world must call this)."""
+    return dist.new_group(sorted(ranks), timeout=timeout())
+
+
+def print0(*args, **kwargs) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def conclude(module: str, check_ok: bool, check: str, figure_ok: bool, figure: str) -> int:
+    """Agree on pass/fail across ranks, print the tour's summary line, tear down, return the exit code."""
+    ok = torch.tensor([int(check_ok), int(figure_ok)], device=device())
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    check_ok, figure_ok = bool(ok[0]), bool(ok[1])
+    print0(f"SUMMARY|{module}|{'PASS' if check_ok else 'FAIL'} {check}|"
+           f"{'PASS' if figure_ok else 'FAIL'} {figure}")
+    shutdown()
+    return 0 if check_ok and figure_ok else 1
+
+
+def shutdown() -> None:
+    """Wait for everyone, then leave. gloo's monitored barrier names any rank that never arrives."""
+    if dist.is_initialized():
+        if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+            dist.monitored_barrier(timeout=timeout())
+        else:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    env = setup()
+    print(f"rank {env.rank}/{env.world_size} local_rank {env.local_rank} backend {env.backend} "
+          f"device {env.device}", flush=True)
+    total = torch.tensor([float(env.rank)], device=env.device)
+    dist.all_reduce(total)
+    expected = env.world_size * (env.world_size - 1) / 2
+    raise SystemExit(conclude("launch", total.item() == expected,
+                              f"all_reduce(rank) = {total.item():g}",
+                              True, f"world {env.world_size} on {env.backend}/{env.device.type}"))

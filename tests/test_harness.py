@@ -1,0 +1,69 @@
+"""The harness itself: results from every rank, failures named by rank, and recovery after them."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import RankFailure, rank_generator, run
+
+
+def rank_and_sum(value):
+    t = torch.tensor([float(dist.get_rank() + value)])
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item()
+
+
+def raise_on(bad_rank):
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"bad on purpose at {bad_rank}")
+    dist.all_reduce(torch.ones(1))  # the others block here, waiting for the rank that raised
+    return "unreachable for a world > 1"
+
+
+def die_on(bad_rank):
+    if dist.get_rank() == bad_rank:
+        os._exit(7)
+    dist.all_reduce(torch.ones(1))
+
+
+def everyone_rejects():
+    raise ValueError("same bad input on every rank")
+
+
+def draw(seed):
+    return torch.randn(3, generator=rank_generator(seed))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_run_returns_every_ranks_result_in_rank_order(world):
+    results = run(world, rank_and_sum, 1)
+    expected = sum(r + 1 for r in range(world))
+    assert results == [(r, float(expected)) for r in range(world)]
+
+
+def test_a_raising_rank_is_named_fast_and_the_pool_recovers():
+    with pytest.raises(RankFailure, match=r"rank 1 failed: ValueError: bad on purpose at 1") as info:
+        run(3, raise_on, 1, timeout=60)
+    assert "rank 0: no answer" in str(info.value)
+    assert run(3, rank_and_sum, 0)[0] == (0, 3.0)
+
+
+def test_a_dying_rank_is_named_and_the_pool_recovers():
+    with pytest.raises(RankFailure, match=r"rank 2 failed: died \(exit code 7\)"):
+        run(3, die_on, 2, timeout=60)
+    assert run(3, rank_and_sum, 0)[2] == (2, 3.0)
+
+
+def test_an_error_raised_by_every_rank_keeps_the_pool():
+    run(2, rank_and_sum, 0)
+    import harness
+    pids_before = [p.pid for p in harness._pools[2].procs]
+    with pytest.raises(RankFailure, match="same bad input on every rank"):
+        run(2, everyone_rejects)
+    assert [p.pid for p in harness._pools[2].procs] == pids_before
+
+
+def test_each_rank_draws_different_data():
+    a, b = run(2, draw, 5)
+    assert not torch.equal(a, b)
