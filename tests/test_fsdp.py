@@ -1,0 +1,409 @@
+"""FSDP against PyTorch: native fully_shard (FSDP2) and one process on the full batch; collectives counted
+per unit, bytes checked against the ring module's measured ledger, gathered-parameter peaks exact.
+
+Tolerances. With K <= 2 ranks every gradient average is a sum of at most two numbers, and a + b == b + a
+bit for bit: our flat layout and FSDP2's per-parameter layout then give identical results, so we demand
+equality (fp64, and bf16 below). With K >= 3 gloo's reduce-scatter adds the K values of an element in an
+order that depends on where the element sits in the buffer, and the two layouts put it in different
+places: an averaged gradient then differs by at most K-1 <= 4 roundings of 2^-53 relative to sum_k |g_k|,
+O(1) here, so ~5e-16 per step. SGD (lr 0.1) and Adam (m/sqrt(v) is scale-free) carry that into the
+parameters, and 3 steps through these small tanh MLPs (weights and Lipschitz constants O(1)) add it up
+with little growth: FP64_ATOL = 1e-14 (45 ulps of 1.0; we saw at most 4.4e-16 over 30 random draws on
+3-5 ranks). Real bugs (a missing 1/K, a stale or misplaced shard, a dropped gradient) move results by 1e-3
+or more. The single-process reference sums the K*B samples in one matmul instead of K partial sums then
+an average: the same kind and size of rounding, the same bound.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from harness import BACKEND, RankFailure, device, rank_generator, run, subgroup
+from mini_dist import ring_allreduce as ring
+from mini_dist.fsdp import Block, FullyShardedDataParallel as FSDP
+
+FP64_ATOL = 1e-14
+STEPS = 3
+BATCH = 3
+
+
+def build(width, hidden, tied=False, seed=0, dtype=torch.float64, frozen=()):
+    """Linear -> Blocks -> Linear; the outer Linears (tied if asked) are the root's leftovers."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(width, width), *[Block(width, h) for h in hidden],
+                          nn.Linear(width, width))
+    if tied:
+        model[-1].weight = model[0].weight
+    for i in frozen:
+        model[i + 1].requires_grad_(False)
+    return model.to(device=device(), dtype=dtype)
+
+
+def wrapped(model, mask):
+    return [model[i + 1] for i, w in enumerate(mask) if w]
+
+
+def native_fully_shard(model, mask, reshard, param_dtype=None, group=None):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device().type)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype)
+    for m in wrapped(model, mask):
+        fully_shard(m, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+
+
+def make_optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def batches(width, seed, dtype):
+    g = rank_generator(seed)
+    return [(torch.randn(BATCH, width, generator=g, dtype=torch.float64).to(device(), dtype),
+             torch.randn(BATCH, width, generator=g, dtype=torch.float64).to(device(), dtype))
+            for _ in range(STEPS)]
+
+
+def train(model, optimizer, data):
+    losses = []
+    for x, y in data:
+        loss = ((model(x).to(y.dtype) - y) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+# ----- equivalence: ours == native fully_shard == one process on the full batch
+
+def train_three_ways(width, hidden, mask, tied, opt, reshard, prefetch, param_dtype=None):
+    dtype = torch.float64 if param_dtype is None else torch.float32
+    data = batches(width, seed=len(hidden) + width, dtype=dtype)
+    model = build(width, hidden, tied, dtype=dtype)
+    ours = FSDP(model, wrap=wrapped(model, mask), reshard_after_forward=reshard, prefetch=prefetch,
+                param_dtype=param_dtype)
+    our_losses = train(ours, make_optimizer(opt, ours.parameters()), data)
+    our_params = ours.full_state_dict()
+
+    native = native_fully_shard(build(width, hidden, tied, dtype=dtype), mask, reshard, param_dtype)
+    native_losses = train(native, make_optimizer(opt, native.parameters()), data)
+    native_params = {n: p.full_tensor() for n, p in native.named_parameters()}  # collective: all ranks
+
+    K = dist.get_world_size()
+    everyone = [torch.empty(K * BATCH, width, dtype=dtype, device=device()) for _ in range(2)]
+    full_batches = []
+    for x, y in data:  # one process sees all K*B samples: the same mean loss, one big sum
+        for out, local in zip(everyone, (x, y)):
+            dist.all_gather_single(out, local)
+        full_batches.append((everyone[0].clone(), everyone[1].clone()))
+    single = build(width, hidden, tied, dtype=dtype)  # trained on rank 0 only, in fp64 only
+    single_losses = train(single, make_optimizer(opt, single.parameters()), full_batches) \
+        if param_dtype is None and dist.get_rank() == 0 else None
+    single_params = {n: p.detach() for n, p in single.named_parameters()}
+    return our_losses, native_losses, our_params, native_params, single_losses, single_params
+
+
+models = st.tuples(st.integers(1, 6), st.lists(st.integers(1, 9), min_size=0, max_size=4)).flatmap(
+    lambda wh: st.tuples(st.just(wh[0]), st.just(tuple(wh[1])),
+                         st.lists(st.booleans(), min_size=len(wh[1]), max_size=len(wh[1])).map(tuple)))
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[n].double() - b[n].double()).abs().max().item() for n in a)
+
+
+@settings(max_examples=12)
+@given(world=st.integers(1, 5), model=models, tied=st.booleans(), opt=st.sampled_from(["sgd", "adam"]),
+       reshard=st.booleans(), prefetch=st.booleans())
+def test_fsdp_trains_like_native_fully_shard_and_like_one_process(world, model, tied, opt, reshard, prefetch):
+    width, hidden, mask = model
+    results = run(world, train_three_ways, width, hidden, mask, tied, opt, reshard, prefetch)
+    tol = 0.0 if world <= 2 else FP64_ATOL
+    for ours, native, *_ in results:  # every rank's own loss, step by step
+        assert max(abs(a - b) for a, b in zip(ours, native)) <= tol
+    _, _, our_params, native_params, single_losses, single_params = results[0]
+    assert max_diff(our_params, native_params) <= tol
+    mean_losses = [sum(r[0][s] for r in results) / world for s in range(STEPS)]
+    assert max(abs(a - b) for a, b in zip(mean_losses, single_losses)) <= FP64_ATOL
+    assert max_diff(our_params, single_params) <= FP64_ATOL
+
+
+@settings(max_examples=6)
+@given(world=st.integers(1, 2), model=models, opt=st.sampled_from(["sgd", "adam"]), reshard=st.booleans())
+def test_bf16_fsdp_equals_native_mixed_precision_bit_for_bit_on_up_to_two_ranks(world, model, opt, reshard):
+    # Both compute in bf16 from the same bf16 casts, average two bf16 gradients (commutative, see top)
+    # and step fp32 masters: identical. With K >= 3 the summation order differs and each bf16 sum can
+    # round differently by 2^-8 relative, which Adam then turns into visible steps; not compared there.
+    width, hidden, mask = model
+    results = run(world, train_three_ways, width, hidden, mask, False, opt, reshard, True, torch.bfloat16)
+    for ours, native, *_ in results:
+        assert ours == native
+    assert max_diff(results[0][2], results[0][3]) == 0.0
+
+
+# ----- the ledger: collectives per unit, bytes against the ring's measured ledger, gathered peaks
+
+def ledger_of_one_step(width, hidden, mask, reshard, prefetch, param_dtype=None):
+    model = build(width, hidden, dtype=torch.float32)
+    ours = FSDP(model, wrap=wrapped(model, mask), reshard_after_forward=reshard, prefetch=prefetch,
+                param_dtype=param_dtype)
+    x, y = batches(width, seed=1, dtype=torch.float32)[0]
+    ours.ledger.reset()
+    ((ours(x).float() - y) ** 2).mean().backward()
+    step = {"peak": ours.ledger.peak, "after": ours.ledger.gathered, "sent": ours.ledger.sent,
+            "units": [u.name for u in ours.units],
+            "full": [u.full.numel() * u.full.element_size() for u in ours.units],
+            "counts": {u.name: (ours.ledger.count("all-gather", u.name),
+                                ours.ledger.count("reduce-scatter", u.name)) for u in ours.units},
+            "grads": [(tuple(u.shard.grad.shape), u.shard.grad.dtype, u.shard.dtype, u.shard_numel)
+                      for u in ours.units],
+            "optimized": [tuple(p.shape) for p in ours.parameters()]}
+    ring_bytes = 0  # the same collectives through the ring module, whose ledger counts real sends
+    for u in ours.units:
+        for _ in range(2 if reshard else 1):
+            ring.LEDGER.reset()
+            ring.ring_all_gather(torch.empty_like(u.full), u.shard.detach().to(u.full.dtype))
+            ring_bytes += ring.LEDGER.sent
+        ring.LEDGER.reset()
+        ring.ring_reduce_scatter(torch.empty_like(u.shard, dtype=u.full.dtype), torch.zeros_like(u.full))
+        ring_bytes += ring.LEDGER.sent
+    step.update(ring=ring_bytes, shards=sum(u.shard_numel for u in ours.units), events=ours.ledger.events[:])
+    ours.ledger.reset()
+    with torch.no_grad():
+        ours(x)
+    step["eval"] = (ours.ledger.count("all-gather"), ours.ledger.gathered)
+    return step
+
+
+flags = dict(world=st.integers(1, 5), model=models, reshard=st.booleans(), prefetch=st.booleans())
+deep = (3, (2, 5, 4, 3), (True, True, True, True))  # four units in a row: room for a prefetch to overreach
+
+
+@settings(max_examples=10)
+@given(**flags)
+@example(world=3, model=deep, reshard=True, prefetch=True)
+def test_each_unit_is_gathered_twice_and_reduce_scattered_once_per_step_once_and_once_without_reshard(
+        world, model, reshard, prefetch):
+    for step in run(world, ledger_of_one_step, *model, reshard, prefetch):
+        assert set(step["counts"].values()) == {(2 if reshard else 1, 1)}
+        assert step["eval"] == (len(step["units"]), 0)  # no_grad forward: one gather each, all freed
+
+
+@settings(max_examples=10)
+@given(**flags)
+def test_bytes_sent_are_3N_with_reshard_2N_without_exactly_what_the_ring_ledger_measures(
+        world, model, reshard, prefetch):
+    # (K-1)/K of each padded unit per collective; DDP's 2(K-1)/K N is measured beside it in the demo
+    for step in run(world, ledger_of_one_step, *model, reshard, prefetch):
+        collectives = 3 if reshard else 2
+        assert step["sent"] == step["ring"] == collectives * (world - 1) * step["shards"] * 4
+
+
+@settings(max_examples=10)
+@given(**flags)
+@example(world=3, model=deep, reshard=True, prefetch=True)
+@example(world=2, model=deep, reshard=True, prefetch=False)
+def test_peak_of_gathered_parameters_in_forward_and_in_backward_is_root_plus_what_prefetch_allows(
+        world, model, reshard, prefetch):
+    for step in run(world, ledger_of_one_step, *model, reshard, prefetch):
+        root, units = step["full"][0], step["full"][1:]  # bytes of each unit's gathered K*S vector
+        if not reshard:
+            expected = sum(step["full"])  # every unit stays from forward to backward
+        elif prefetch and len(units) >= 2:
+            expected = root + max(a + b for a, b in zip(units, units[1:]))
+        else:
+            expected = root + max(units, default=0)
+        for phase in ("forward", "backward"):
+            assert max(e[4] for e in step["events"] if e[0] == phase) == expected
+        assert step["peak"] == expected and step["after"] == 0
+
+
+@settings(max_examples=8)
+@given(world=st.integers(1, 5), model=models, prefetch=st.booleans())
+@example(world=3, model=deep, prefetch=True)
+def test_prefetch_issues_the_next_units_all_gather_before_the_current_unit_computes_both_ways(
+        world, model, prefetch):
+    for step in run(world, ledger_of_one_step, *model, True, prefetch):
+        for phase in ("forward", "backward"):
+            events = [(unit, what) for p, unit, what, *_ in step["events"] if p == phase]
+            computes = [unit for unit, what in events if what == "compute"]
+            root, *blocks = step["units"]  # backward: the root's output gets its gradient first
+            assert computes == ([root, *blocks] if phase == "forward" else [root, *blocks[::-1]])
+            for current, following in zip(computes, computes[1:]):
+                issued_before = events.index((following, "all-gather")) < events.index((current, "compute"))
+                assert issued_before == prefetch
+
+
+@settings(max_examples=8)
+@given(world=st.integers(1, 5), model=models, dtype=st.sampled_from([torch.float16, torch.bfloat16]))
+def test_half_param_dtype_keeps_fp32_gradient_shards_of_the_shard_shape_and_halves_traffic(
+        world, model, dtype):
+    for step in run(world, ledger_of_one_step, *model, True, False, dtype):
+        for shape, grad_dtype, shard_dtype, shard_numel in step["grads"]:
+            assert (shape, grad_dtype, shard_dtype) == ((shard_numel,), torch.float32, torch.float32)
+        assert step["optimized"] == [(s,) for *_, s in step["grads"]]  # the optimizer sees shards only
+        assert step["sent"] == 3 * (world - 1) * step["shards"] * 2
+        assert step["peak"] == step["full"][0] + max(step["full"][1:], default=0)
+
+
+# ----- state dicts, subgroups, frozen units
+
+def state_dict_round_trip(tied):
+    model = build(3, (4, 5), tied, seed=1)
+    ours = FSDP(model, wrap=Block)
+    train(ours, make_optimizer("adam", ours.parameters()), batches(3, seed=2, dtype=torch.float64))
+    saved = ours.full_state_dict()
+    other_model = build(3, (4, 5), tied, seed=99)
+    other = FSDP(other_model, wrap=Block)
+    other.load_full_state_dict(saved if dist.get_rank() == 0 else None)
+    x = torch.randn(2, 3, dtype=torch.float64, device=device())
+    plain = build(3, (4, 5), tied, seed=5)
+    if dist.get_rank() == 0:
+        plain.load_state_dict(saved, strict=not tied)  # a tied weight is saved once, under its first name
+    return saved, other.full_state_dict(), other(x), ours(x), plain(x)
+
+
+@pytest.mark.parametrize("world,tied", [(1, False), (3, True), (4, False)])
+def test_full_state_dict_is_the_unsharded_model_and_loads_back_into_any_sharding(world, tied):
+    saved, reloaded, other_out, our_out, plain_out = run(world, state_dict_round_trip, tied)[0]
+    assert saved.keys() == reloaded.keys() and all(torch.equal(saved[n], reloaded[n]) for n in saved)
+    assert torch.equal(other_out, our_out) and torch.equal(plain_out, our_out)  # same values, same ops
+
+
+def train_on_a_subgroup(ranks):
+    group = subgroup(ranks)
+    if dist.get_rank() not in ranks:
+        return None
+    model = build(4, (3, 6), seed=3)
+    ours = FSDP(model, wrap=Block, group=group)
+    data = batches(4, seed=4, dtype=torch.float64)
+    losses = train(ours, make_optimizer("sgd", ours.parameters()), data)
+    params = ours.full_state_dict()
+    everyone = [torch.empty(len(ranks) * BATCH, 4, dtype=torch.float64, device=device()) for _ in range(2)]
+    full_batches = []
+    for x, y in data:
+        for out, local in zip(everyone, (x, y)):
+            dist.all_gather_single(out, local, group=group)
+        full_batches.append((everyone[0].clone(), everyone[1].clone()))
+    single = build(4, (3, 6), seed=3)
+    single_losses = train(single, make_optimizer("sgd", single.parameters()), full_batches)
+    return losses, params, single_losses, {n: p.detach() for n, p in single.named_parameters()}
+
+
+def test_fsdp_on_a_subgroup_of_odd_size_trains_like_one_process_on_its_ranks_data():
+    ranks = (1, 2, 4)  # group rank 0 is global rank 1: the state dict lands there
+    results = run(5, train_on_a_subgroup, ranks)
+    assert [r is None for r in results] == [True, False, False, True, False]
+    losses, params, single_losses, single_params = results[1]
+    assert results[2][1] == {} and results[4][1] == {}
+    mean_losses = [sum(results[r][0][s] for r in ranks) / len(ranks) for s in range(STEPS)]
+    assert max(abs(a - b) for a, b in zip(mean_losses, single_losses)) <= FP64_ATOL
+    assert max_diff(params, single_params) <= FP64_ATOL
+
+
+def train_with_a_frozen_unit():
+    model = build(3, (4, 5, 2), frozen=(1,))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ours = FSDP(model, wrap=Block)
+    data = batches(3, seed=6, dtype=torch.float64)
+    losses = train(ours, make_optimizer("adam", ours.parameters()), data)
+    ours.ledger.reset()
+    ((ours(data[0][0]) - data[0][1]) ** 2).mean().backward()
+    native = native_fully_shard(build(3, (4, 5, 2), frozen=(1,)), (True, True, True), True)
+    native_losses = train(native, make_optimizer("adam", native.parameters()), data)
+    native_params = {n: p.full_tensor() for n, p in native.named_parameters()}
+    counts = [(ours.ledger.count("all-gather", u.name), ours.ledger.count("reduce-scatter", u.name))
+              for u in ours.units]
+    return losses, native_losses, ours.full_state_dict(), native_params, before, counts, ours.ledger.gathered
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_frozen_unit_is_gathered_for_backward_never_reduce_scattered_and_stays_put(world):
+    results = run(world, train_with_a_frozen_unit)
+    tol = 0.0 if world <= 2 else FP64_ATOL
+    for ours, native, *_ in results:
+        assert max(abs(a - b) for a, b in zip(ours, native)) <= tol
+    _, _, params, native_params, before, counts, gathered = results[0]
+    assert max_diff(params, native_params) <= tol
+    assert all(torch.equal(params[n], before[n]) for n in params if n.startswith("2."))
+    assert counts == [(2, 1), (2, 1), (2, 0), (2, 1)] and gathered == 0  # root, block 1, frozen block 2, ...
+
+
+# ----- bad input: every rank raises the same clear error before anyone blocks
+
+def build_badly(case):
+    model = build(3, (4, 5))
+    if case == "wrap outside":
+        FSDP(model, wrap=[nn.Linear(2, 2)])
+    elif case == "half frozen unit":
+        model[1].up.bias.requires_grad_(False)
+        FSDP(model, wrap=Block)
+    elif case == "other model per rank":
+        FSDP(build(3, (4, 5 + dist.get_rank())), wrap=Block)
+    elif case == "integer dtype":
+        FSDP(model, wrap=Block, param_dtype=torch.int8)
+    elif case == "state dict lacks a key":
+        ours = FSDP(model, wrap=Block)
+        state = ours.full_state_dict()
+        state.pop("1.up.weight", None)
+        ours.load_full_state_dict(state)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("wrap outside", "not inside the wrapped module"),
+    ("half frozen unit", "mixes .* frozen and trainable"),
+    ("other model per rank", r"ranks \[1, 2\] built other units than rank 0"),
+    ("integer dtype", "param_dtype must be a floating dtype"),
+    ("state dict lacks a key", r"lacks or misshapes: 1.up.weight \(want shape \(4, 3\)\)"),
+])
+def test_bad_input_raises_the_same_clear_error_on_every_rank(case, message):
+    with pytest.raises(RankFailure, match=message) as info:
+        run(3, build_badly, case)
+    assert "no answer" not in str(info.value)  # everyone raised: nobody was left blocking
+
+
+# ----- GPU: the ledger against the CUDA caching allocator's own peak
+
+def cuda_peak_against_ledger():
+    width, depth = 1024, 4  # parameters dominate: 4 units of 2.1M fp32 parameters, activations 2 x 1024
+    model = build(width, (width,) * depth, dtype=torch.float32)
+    ours = FSDP(model, wrap=Block)
+    x = torch.randn(2, width, device=device())
+    unit = max(u.full.numel() * 4 for u in ours.units)
+    ours(x).square().mean().backward()  # warm-up: cuBLAS takes its workspace from the same allocator
+    for shard in ours.parameters():
+        shard.grad = None
+    peaks = []
+    for grad in (False, True):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        ours.ledger.reset()
+        with torch.set_grad_enabled(grad):
+            out = ours(x)
+            if grad:
+                out.square().mean().backward()
+        torch.cuda.synchronize()
+        peaks.append((ours.ledger.peak, torch.cuda.max_memory_allocated() - base))
+        del out
+    return peaks, unit, sum(u.shard_numel * 4 for u in ours.units)
+
+
+@pytest.mark.skipif(BACKEND != "nccl" or not torch.cuda.is_available(),
+                    reason="needs CUDA and MINI_DIST_BACKEND=nccl (./run.sh test --gpu): compares the ledger "
+                           "with torch.cuda.max_memory_allocated, which only a GPU allocator reports")
+@pytest.mark.parametrize("world", [1, 2])
+def test_gathered_parameter_peak_matches_torch_cuda_max_memory_allocated(world):
+    for peaks, unit, shards in run(world, cuda_peak_against_ledger):
+        (forward_ledger, forward_cuda), (step_ledger, step_cuda) = peaks
+        # forward under no_grad: beyond the shards only the gathered units and a few 8 KiB activations
+        assert forward_ledger <= forward_cuda <= forward_ledger + (1 << 20)
+        # a full step adds one unit's full gradient (and its pieces before they are concatenated), the
+        # fp32 gradient shards and the saved activations: at most 2 units + shards + 1 MiB
+        assert step_ledger <= step_cuda <= step_ledger + 2 * unit + shards + (1 << 20)
