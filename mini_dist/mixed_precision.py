@@ -249,9 +249,10 @@ def shard_data(rank: int, world: int, steps: int, device):
     return c.to(device), [x.to(device) for x in xs]
 
 
-def run_shards(scaler, params, data, steps):
-    """Train the shards in `params` (fp16-autocast linear layers, output gradient S*c) with one optimizer;
-    returns (scale used, skipped) per step."""
+def run_shards(scaler, data, steps):
+    """Train one zero-initialised shard per entry of `data` (fp16-autocast linear layers, output gradient
+    S*c) with one optimizer; returns (scale used, skipped) per step, and the shards."""
+    params = [torch.zeros(4, 8, device=c.device, requires_grad=True) for c, _ in data]
     opt = torch.optim.SGD(params, lr=1e-3)
     trace = []
     for t in range(steps):
@@ -264,18 +265,14 @@ def run_shards(scaler, params, data, steps):
         scaler.update()
         opt.zero_grad()
         trace.append((used, scaler.get_scale() < used))
-    return trace
+    return trace, params
 
 
 def plot(trace) -> str:
     """log2(scale) per step: '*' a step taken, 'x' a step skipped."""
-    levels = [round(math.log2(s)) for s, _ in trace]
-    rows = []
-    for level in range(max(levels), min(levels) - 1, -1):
-        marks = "".join(("x" if skip else "*") if lv == level else " "
-                        for lv, (_, skip) in zip(levels, trace))
-        rows.append(f"  2^{level:<3}|{marks}".rstrip())
-    return "\n".join(rows)
+    levels, marks = [round(math.log2(s)) for s, _ in trace], ["x" if skip else "*" for _, skip in trace]
+    return "\n".join(f"  2^{y:<3}|{''.join(m if lv == y else ' ' for lv, m in zip(levels, marks))}".rstrip()
+                     for y in range(max(levels), min(levels) - 1, -1))
 
 
 def demo() -> int:
@@ -299,27 +296,22 @@ def demo() -> int:
     # Each rank owns a shard of the model (as under ZeRO/FSDP): only the last rank's shard overflows.
     steps, interval, init = 48, 4, 2.0**10
     data = shard_data(rank, world, steps, dev)
-    mine = torch.zeros(4, 8, device=dev, requires_grad=True)
-    trace = run_shards(DynamicLossScaler(init, growth_interval=interval), [mine], [data], steps)
+    trace, (mine,) = run_shards(DynamicLossScaler(init, growth_interval=interval), [data], steps)
     # Reference: one torch.amp.GradScaler over all shards in one process (what a single GPU would do).
-    shards = [torch.zeros(4, 8, device=dev, requires_grad=True) for _ in range(world)]
-    ref = run_shards(torch.amp.GradScaler(dev.type, init, growth_interval=interval), shards,
-                     [shard_data(r, world, steps, dev) for r in range(world)], steps)
-    same_params = torch.equal(mine.detach(), shards[rank].detach())
+    ref, shards = run_shards(torch.amp.GradScaler(dev.type, init, growth_interval=interval),
+                             [shard_data(r, world, steps, dev) for r in range(world)], steps)
     # Naive: no agreement (each rank is its own group), so ranks skip on different steps.
     alone = [launch.new_group([r]) for r in range(world)][rank]
-    lonely = run_shards(DynamicLossScaler(init, growth_interval=interval, group=alone),
-                        [torch.zeros(4, 8, device=dev, requires_grad=True)], [data], steps)
+    lonely, _ = run_shards(DynamicLossScaler(init, growth_interval=interval, group=alone), [data], steps)
     skips = [[t for t, (_, s) in enumerate(tr) if s] for tr in (trace, lonely)]
-    everyone = [None] * world
-    dist.all_gather_object(everyone, (skips, trace == ref and same_params))
-    agreed = all(e[0][0] == skips[0] for e in everyone)
-    check_ok = agreed and all(e[1] for e in everyone)
+    everyone = [None] * world  # per rank: ([agreed skips, naive skips], bit-identical to GradScaler?)
+    dist.all_gather_object(everyone, (skips, trace == ref and torch.equal(mine, shards[rank])))
+    check_ok = all(s[0] == skips[0] and same for s, same in everyone)
     say(f"scale trajectory, {world} ranks, overflow only on rank {world - 1} ('x' = skipped by every rank):")
     say(plot(trace))
     say(f"= one GradScaler over all {world} shards (scales, skipped steps, parameters bit-identical): "
         f"{check_ok}\nwithout the all-reduce, steps skipped per rank: "
-        f"{' | '.join(str(e[0][1]) for e in everyone)}")
+        f"{' | '.join(str(s[1]) for s, _ in everyone)}")
     # Lifecycle: S doubles every I clean steps until S * LOUD > 65504, then one skip every I+1 steps.
     edge = math.floor(math.log2(torch.finfo(torch.float16).max / LOUD)) + 1
     first = interval * (edge - round(math.log2(init)))

@@ -1,0 +1,402 @@
+"""The planner: the seeds' worked examples, the papers' formulas, invariants, and measured ledgers.
+
+Everything here is integer arithmetic, so the assertions are exact (==), except a few float ratios
+(bubble, Amdahl) compared with math.isclose at 1e-12 relative: a handful of float operations, each
+rounding by at most 2^-53. Cross-checks against measurements: PyTorch's own optimizer state tensors
+(single process) and the byte ledger of mini_dist/ring_allreduce.py (multi-rank, via the harness).
+"""
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from harness import ROOT, device, rank_generator, run
+from mini_dist import planner
+from mini_dist.planner import (GB, Cluster, Model, Plan, activation_bytes, amdahl, bubble, bytes_per_param,
+                               candidates, collective_bytes, dp_traffic, evaluate, gpt_params,
+                               model_state_bytes, recommend, ring_all_reduce_bytes_exact, shard, validate)
+
+B = 10 ** 9
+PRECISION = st.sampled_from(["fp32", "bf16", "fp16"])
+OPTIMIZER = st.sampled_from(["sgd", "momentum", "adam"])
+
+
+# ----------------------------------------------------------------------------- the seeds' figures
+
+
+def test_7b_adam_mixed_precision_needs_112_gb_and_does_not_fit_an_80_gb_gpu():
+    assert model_state_bytes(7 * B, 1, 0) == (14 * B, 14 * B, 84 * B)  # 2 + 2 + 12 bytes per parameter
+    assert sum(model_state_bytes(7 * B, 1, 0, "fp32", "adam")) == 112 * B  # fp32 Adam: 4 + 4 + 8, also 16
+    assert not evaluate(Model(7 * B), Plan(dp=1), Cluster(gpus=1, memory_gb=80)).fits
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
+def test_mixed_precision_saves_no_state_memory_because_the_fp32_master_copy_eats_it(optimizer):
+    """Half weights and grads save 2 + 2 bytes; the fp32 master weights cost 4. Activations and traffic
+    halve, the states do not: why the planner never offers mixed precision as a state-memory fix."""
+    assert sum(bytes_per_param("bf16", optimizer)) == sum(bytes_per_param("fp32", optimizer))
+
+
+def test_7b_fully_sharded_over_8_gpus_needs_14_gb_each():
+    e = evaluate(Model(7 * B), Plan(dp=8, zero=3), Cluster(gpus=8))
+    assert e.total == 14 * B and e.fits  # model states only: no shape given, so no activations
+
+
+def test_3b_adam_mixed_precision_needs_48_gb():
+    assert sum(model_state_bytes(3 * B, 1, 0)) == 48 * B
+
+
+def test_70b_as_tp8_pp4_dp8_on_256_gpus_leaves_2_19b_parameters_per_gpu():
+    """The seeds' ~2.2B is 70e9 / (8 x 4) = 2.1875B: TP and PP split the weights, DP copies them."""
+    e = evaluate(Model(70 * B), Plan(dp=8, tp=8, pp=4), Cluster(gpus=256))
+    assert e.states[0] == 2 * 2_187_500_000  # bf16 weights
+    assert round(2_187_500_000 / B, 1) == 2.2
+
+
+def test_pipeline_bubble_for_4_stages_is_15_8_percent_at_16_microbatches_and_8_6_at_32():
+    """The seeds' ~16% and ~9% are (P-1)/(M+P-1) = 3/19 and 3/35, the idle share of the step; the
+    other common form (P-1)/M = 18.75% and 9.4% measures the bubble against the compute time."""
+    assert math.isclose(bubble(4, 16), 3 / 19, rel_tol=1e-12) and round(bubble(4, 16), 2) == 0.16
+    assert math.isclose(bubble(4, 32), 3 / 35, rel_tol=1e-12) and round(bubble(4, 32), 2) == 0.09
+
+
+def test_five_percent_serial_caps_the_speedup_at_20x_and_never_reaches_it():
+    assert math.isclose(amdahl(0.05, 256), 1 / (0.05 + 0.95 / 256), rel_tol=1e-12)  # 18.6x
+    assert round(amdahl(0.05, 256), 1) == 18.6
+    assert all(amdahl(0.05, n) < 20 for n in (1, 8, 256, 10 ** 6))
+    assert math.isclose(amdahl(0.05, 10 ** 15), 20, rel_tol=1e-12)
+
+
+@given(n=st.integers(1, 64), chunk=st.integers(0, 10 ** 6), elem=st.sampled_from([1, 2, 4, 8]))
+def test_ring_all_reduce_sends_2_n_minus_1_over_n_times_d_per_rank(n, chunk, elem):
+    d = n * chunk * elem
+    assert collective_bytes("all_reduce", n * chunk, n, elem) * n == 2 * (n - 1) * d
+    half = collective_bytes("reduce_scatter", n * chunk, n, elem)
+    assert 2 * half == collective_bytes("all_reduce", n * chunk, n, elem)  # = reduce-scatter + all-gather
+
+
+@given(numel=st.integers(1, 10 ** 12), k=st.integers(1, 1024), m=st.integers(1, 64), precision=PRECISION)
+def test_zero2_sends_the_same_bytes_as_ddp_not_fewer(numel, k, m, precision):
+    """Seed correction: 'ZeRO-2 communicates less than DDP' holds for the reduce-scatter alone. ZeRO-2
+    then all-gathers the updated weights, and the two together are an all-reduce's bytes: equal
+    traffic at one microbatch; with accumulation it reduce-scatters every microbatch and sends more."""
+    numel = shard(numel, k) * k  # whole chunks, so the ring's 2(K-1)/K is exact
+    ddp = sum(dp_traffic(numel, Plan(dp=k, zero=0, microbatches=m, precision=precision)).values())
+    zero2 = sum(dp_traffic(numel, Plan(dp=k, zero=2, microbatches=m, precision=precision)).values())
+    assert zero2 == ddp if m == 1 or k == 1 else zero2 > ddp
+    fsdp = sum(dp_traffic(numel, Plan(dp=k, zero=3, precision=precision)).values())
+    assert 2 * fsdp == 3 * ddp  # FSDP gathers twice and reduce-scatters once: ~3N vs DDP's ~2N
+
+
+# ----------------------------------------------------------------------------- the papers' formulas
+
+
+@given(per_rank=st.integers(1, 10 ** 10), k=st.integers(1, 1024))
+def test_zero_stages_match_the_zero_paper_for_mixed_and_fp32_adam(per_rank, k):
+    n = per_rank * k
+    mixed = [sum(model_state_bytes(n, k, z, "bf16", "adam")) for z in range(4)]
+    assert mixed == [16 * n, 4 * n + 12 * n // k, 2 * n + 14 * n // k, 16 * n // k]
+    fp32 = [sum(model_state_bytes(n, k, z, "fp32", "adam")) for z in range(4)]
+    assert fp32 == [16 * n, 8 * n + 8 * n // k, 4 * n + 12 * n // k, 16 * n // k]
+
+
+def test_zero_paper_figure_1_for_7_5b_parameters_on_64_gpus():
+    """Rajbhandari et al. Figure 1: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB per device."""
+    got = [round(sum(model_state_bytes(7_500_000_000, 64, z)) / GB, 1) for z in range(4)]
+    assert got == [120.0, 31.4, 16.6, 1.9]
+
+
+@given(s=st.integers(1, 4096), b=st.integers(1, 16), head_dim=st.integers(1, 256),
+       heads=st.sampled_from([1, 2, 4, 8, 16]), t=st.sampled_from([1, 2, 4, 8]))
+def test_activations_match_korthikanti_per_layer_formula(s, b, head_dim, heads, t):
+    """Per layer, fp16/bf16: sbh(34 + 5as/h) without TP; sbh(10 + 24/t + 5as/(ht)) with TP degree t."""
+    assume(heads % t == 0)
+    h = heads * head_dim
+    full, kept = activation_bytes(Model(1, 1, h, heads, s), Plan(dp=1, tp=t, micro_batch=b))
+    assert full * h * t == s * b * h * (10 * h * t + 24 * h + 5 * heads * s)
+    assert kept == 2 * s * b * h + full  # layer input kept, plus the one layer being recomputed
+
+
+def test_gpt_params_counts_gpt2_small_exactly():
+    assert gpt_params(12, 768, 50257, 1024) == 124_439_808  # GPT-2 small; nanoGPT: 123.65M without wpe
+
+
+@settings(max_examples=10)
+@given(layers=st.integers(1, 3), hidden=st.integers(1, 24), vocab=st.integers(1, 50), seq=st.integers(1, 20))
+def test_gpt_params_equals_the_parameter_count_of_a_torch_gpt(layers, hidden, vocab, seq):
+    h = hidden
+    with torch.device("meta"):  # shapes only, nothing allocated or initialised
+        block = lambda: [torch.nn.LayerNorm(h), torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h),
+                         torch.nn.LayerNorm(h), torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)]
+        gpt = torch.nn.ModuleList([torch.nn.Embedding(vocab, h), torch.nn.Embedding(seq, h),
+                                   *[m for _ in range(layers) for m in block()], torch.nn.LayerNorm(h)])
+    assert sum(p.numel() for p in gpt.parameters()) == gpt_params(layers, hidden, vocab, seq)
+
+
+@pytest.mark.parametrize("optimizer,momentum", [("adam", None), ("momentum", 0.9), ("sgd", 0.0)])
+def test_fp32_state_bytes_equal_pytorchs_live_tensors_after_a_step(optimizer, momentum):
+    """DDP-style full replica: weights, .grad and the optimizer's state tensors, measured. Adam also
+    keeps one `step` counter per parameter tensor (a 4-byte fp32 scalar) that per-parameter formulas
+    leave out; the test adds it, so the rest must match exactly."""
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3, bias=False))
+    opt = (torch.optim.Adam(model.parameters()) if optimizer == "adam"
+           else torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum))
+    model(torch.randn(2, 7)).sum().backward()
+    opt.step()
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    steps = 4 * len(params) if optimizer == "adam" else 0
+    assert (nbytes(params), nbytes(p.grad for p in params), nbytes(state) - steps) == \
+        model_state_bytes(numel, 1, 0, "fp32", optimizer)
+
+
+def test_7b_on_8_gpus_recommends_zero1_with_checkpointing_and_70b_on_256_splits_the_model():
+    """The demo's example: DDP needs 112 GB of states; ZeRO-1 fits (42.8 GB) once activations are
+    checkpointed (104 GB of them at s = 4096 without). 70B: FSDP fits but moves 6.7 TB per GPU per
+    step over InfiniBand (134 s against 69 s of useful compute), so TP inside the node wins. GPT-3
+    175B on 1024 GPUs needs PP across nodes on top of TP8."""
+    seven = Model(7 * B, 32, 4096, 32, 4096)
+    best = recommend(seven, Cluster(8), Plan(dp=8, microbatches=8))
+    assert (best.plan.name, round(best.total / GB, 1), best.effective_batch) == ("ZeRO-1 +ckpt", 42.8, 64)
+    seventy = Model(70 * B, 80, 8192, 64, 4096)
+    fsdp = evaluate(seventy, Plan(dp=256, zero=3, checkpoint=True, microbatches=16), Cluster(256))
+    assert fsdp.fits and not fsdp.traffic_hidden
+    best = recommend(seventy, Cluster(256), Plan(dp=256, microbatches=16))
+    assert best.plan.tp > 1 and best.plan.pp == 1 and best.traffic_hidden  # TP in the node is enough
+    gpt3 = Model(gpt_params(96, 12288, 50257, 2048), 96, 12288, 96, 2048)
+    best = recommend(gpt3, Cluster(1024), Plan(dp=1024, microbatches=16))
+    assert best.plan.tp == 8 and best.plan.pp > 1 and best.traffic_hidden  # a full node of TP is not
+
+
+# ----------------------------------------------------------------------------- invariants
+
+
+@given(numel=st.integers(1, 10 ** 12), k=st.integers(1, 4096), precision=PRECISION, optimizer=OPTIMIZER)
+def test_state_memory_never_grows_with_more_ranks_and_zero_stages_are_ordered(numel, k, precision, optimizer):
+    totals = [sum(model_state_bytes(numel, k, z, precision, optimizer)) for z in range(4)]
+    more = [sum(model_state_bytes(numel, k + 1, z, precision, optimizer)) for z in range(4)]
+    assert totals == sorted(totals, reverse=True)  # DDP >= ZeRO-1 >= ZeRO-2 >= FSDP
+    assert all(m <= t for m, t in zip(more, totals))
+    one = [sum(model_state_bytes(numel, 1, z, precision, optimizer)) for z in range(4)]
+    assert len(set(one)) == 1  # on one rank there is nothing to shard
+
+
+@given(layers=st.integers(1, 16), s=st.integers(1, 512), b=st.integers(1, 8),
+       heads=st.sampled_from([1, 2, 4, 8]), m=st.integers(1, 16), pp=st.sampled_from([1, 2, 4]),
+       precision=PRECISION)
+def test_checkpointing_saves_activation_memory_once_a_stage_has_two_layers(layers, s, b, heads, m, pp,
+                                                                           precision):
+    assume(layers % pp == 0)
+    full, ckpt = activation_bytes(Model(1, layers, 8 * heads, heads, s),
+                                  Plan(dp=1, pp=pp, micro_batch=b, microbatches=m, precision=precision))
+    stored = layers // pp * min(m, pp)
+    assert ckpt <= full if stored >= 2 else ckpt > full  # one layer: its input is kept on top of it
+    bigger = activation_bytes(Model(1, layers, 8 * heads, heads, s),
+                              Plan(dp=1, pp=pp, micro_batch=b + 1, microbatches=m, precision=precision))
+    assert bigger[0] > full and bigger[1] > ckpt  # gradient accumulation shrinks the microbatch: less memory
+
+
+@given(p=st.integers(1, 64), m=st.integers(1, 1024))
+def test_bubble_shrinks_with_microbatches_and_grows_with_stages(p, m):
+    assert 0 <= bubble(p, m) < 1 and (bubble(p, m) == 0) == (p == 1)
+    assert bubble(p, m + 1) <= bubble(p, m) <= bubble(p + 1, m)
+
+
+@given(serial=st.floats(0, 1), n=st.integers(1, 10 ** 6))
+def test_amdahl_speedup_is_at_most_the_workers_and_at_most_one_over_serial(serial, n):
+    speedup = amdahl(serial, n)
+    assert 1 - 1e-12 <= speedup <= n * (1 + 1e-12)  # 1e-12: a few roundings of 2^-53 each
+    assert serial == 0 or speedup <= (1 / serial) * (1 + 1e-12)
+    assert amdahl(serial, n + 1) >= speedup * (1 - 1e-12)
+
+
+@given(chunks=st.lists(st.integers(0, 1000), min_size=1, max_size=8), elem=st.sampled_from([1, 2, 4, 8]))
+def test_ring_exact_bytes_sum_to_2_n_minus_1_times_d_over_all_ranks_for_any_chunking(chunks, elem):
+    n, d = len(chunks), sum(chunks) * elem
+    sent = [ring_all_reduce_bytes_exact(chunks, r, elem) for r in range(n)]
+    assert sum(sent) == 2 * (n - 1) * d
+    if len(set(chunks)) == 1:
+        assert sent == [collective_bytes("all_reduce", sum(chunks), n, elem)] * n
+
+
+MODELS = st.builds(lambda layers, head_dim, heads, seq: Model(gpt_params(layers, head_dim * heads, 1000, seq),
+                                                               layers, head_dim * heads, heads, seq),
+                   st.sampled_from([1, 2, 4, 6, 8]), st.integers(1, 64), st.sampled_from([1, 2, 4, 8, 12]),
+                   st.integers(1, 512))
+
+
+@settings(max_examples=60)
+@given(model=st.one_of(MODELS, st.builds(Model, st.integers(1, 10 ** 9))),
+       gpus=st.sampled_from([1, 2, 4, 8, 16, 32]), per_node=st.sampled_from([1, 2, 4, 8]),
+       fraction=st.integers(-5, 1), tflops=st.integers(-20, 9), b=st.sampled_from([1, 2, 4]),
+       m=st.integers(1, 8), precision=PRECISION)
+def test_recommendation_fits_and_splits_the_model_only_when_data_parallelism_cannot(model, gpus, per_node,
+                                                                                   fraction, tflops, b, m,
+                                                                                   precision):
+    """Memory from 1/32 to 2x the unsharded states, compute from 1 MFLOP/s to 512 TFLOP/s (powers of 2),
+    so that every branch happens: DP-only, each ZeRO stage, baselines, TP, PP, nothing fits."""
+    memory = 16 * model.params * 2.0 ** fraction / GB
+    cluster = Cluster(gpus, per_node, memory_gb=memory, tflops=2.0 ** tflops)
+    base = Plan(dp=gpus, micro_batch=b, microbatches=m, precision=precision)
+    best = recommend(model, cluster, base)
+    if best is None:  # then not even the leanest data-parallel plan fits
+        lean = replace(base, zero=3, checkpoint=bool(model.layers), micro_batch=1, microbatches=b * m)
+        assert not evaluate(model, lean, cluster).fits
+        return
+    assert best.fits and best.plan.tp <= min(gpus, per_node) and best.effective_batch * best.plan.tp * \
+        best.plan.pp == b * m * gpus  # accumulation trades microbatch size for steps: tokens per step kept
+    hidden = lambda e: e.fits and e.traffic_hidden
+    shaped = bool(model.layers)  # without a shape, activations are unknown: no baselines to try
+    data_parallel = [evaluate(model, replace(base, zero=z, checkpoint=c, micro_batch=d,
+                                             microbatches=b * m // d), cluster)
+                     for z in range(4) for c in (False, True)[:1 + shaped]
+                     for d in ((1, 2, 4) if shaped else (b,)) if b % d == 0]
+    tried = [evaluate(model, p, cluster) for p in candidates(model, cluster, base)]
+    if any(hidden(e) for e in tried):
+        assert hidden(best)  # a plan whose traffic hides behind compute wins over one that fits only
+    if best.plan.pp > 1:  # PP across nodes only when nothing without it fits with its traffic hidden
+        assert not any(hidden(e) for e in tried if e.plan.pp == 1)
+    if best.plan.checkpoint and hidden(best):  # recomputing only to fit, never to look compute-bound
+        assert not evaluate(model, replace(best.plan, checkpoint=False), cluster).fits
+    if best.plan.tp * best.plan.pp > 1:  # TP/PP only when no DP-only plan fits with its traffic hidden
+        assert not any(hidden(e) for e in data_parallel)
+    if best.plan.tp * best.plan.pp == 1 and hidden(best):  # and the least ZeRO stage that does
+        assert not any(hidden(e) for e in data_parallel if e.plan.zero < best.plan.zero)
+
+
+@given(model=MODELS, gpus=st.sampled_from([1, 2, 4, 8]), b=st.integers(1, 4), m=st.integers(1, 8))
+def test_effective_batch_is_micro_batch_x_microbatches_x_dp_and_one_gpu_sends_nothing(model, gpus, b, m):
+    e = evaluate(model, Plan(dp=gpus, micro_batch=b, microbatches=m), Cluster(gpus))
+    assert e.effective_batch == b * m * gpus
+    assert (sum(e.traffic.values()) == 0) == (gpus == 1)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("model,plan,cluster,message", [
+    (Model(7 * B), Plan(dp=0), Cluster(0), "gpus must be a whole number >= 1, got 0"),
+    (Model(-7), Plan(dp=8), Cluster(8), "params must be a whole number >= 1, got -7"),
+    (Model(7 * B, -1, 64, 8), Plan(dp=8), Cluster(8), "layers must be a whole number >= 0"),
+    (Model(7 * B, 4, 64, 8), Plan(dp=2, tp=3), Cluster(8), r"dp x tp x pp = 2 x 3 x 1 must equal the 8 GPUs"),
+    (Model(7 * B, 4, 60, 6), Plan(dp=2, tp=4), Cluster(8), "tp = 4 must divide the 6 heads"),
+    (Model(7 * B, 6, 64, 8), Plan(dp=2, pp=4), Cluster(8), "pp = 4 must divide the 6 layers"),
+    (Model(7 * B, 4, 64, 6), Plan(dp=8), Cluster(8), r"heads \(6\) must divide hidden \(64\)"),
+    (Model(7 * B, 4, 64, 0), Plan(dp=8), Cluster(8), "give all of layers, hidden, heads or none"),
+    (Model(7 * B), Plan(dp=12), Cluster(12), "12 GPUs are not whole nodes of 8"),
+    (Model(7 * B), Plan(dp=8, zero=4), Cluster(8), r"zero stage must be one of \[0, 1, 2, 3\]"),
+    (Model(7 * B), Plan(dp=8, precision="fp8"), Cluster(8), "precision must be one of"),
+    (Model(7 * B), Plan(dp=8, micro_batch=-2), Cluster(8), "micro_batch must be a whole number >= 1"),
+    (Model(7 * B), Plan(dp=8), Cluster(8, memory_gb=0), "memory_gb must be > 0"),
+    (Model(7 * B), Plan(dp=8), Cluster(8, inter_gbps=float("nan")), "inter_gbps must be > 0"),
+    (Model(7.5e9), Plan(dp=8), Cluster(8), "params must be a whole number"),
+])
+def test_bad_input_gets_an_error_saying_what_to_change(model, plan, cluster, message):
+    with pytest.raises(ValueError, match=message):
+        validate(model, plan, cluster)
+    with pytest.raises(ValueError, match=message):
+        evaluate(model, plan, cluster)
+
+
+def test_amdahl_rejects_a_serial_fraction_outside_0_to_1():
+    with pytest.raises(ValueError, match=r"serial fraction must lie in \[0, 1\]"):
+        amdahl(1.5, 8)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "mini_dist.planner", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_demo_prints_the_worked_example_and_a_passing_summary_line():
+    out = _cli()
+    assert out.returncode == 0, out.stderr
+    assert "3. simplest that fits" in out.stdout
+    assert out.stdout.strip().splitlines()[-1].startswith("SUMMARY|planner|PASS seeds' figures 7/7|PASS ")
+
+
+def test_cli_rejects_zero_gpus_and_non_dividing_degrees_with_exit_code_2():
+    for args, message in [(["--params", "7B", "--gpus", "0"], "gpus must be a whole number >= 1, got 0"),
+                          (["--params", "7B", "--gpus", "8", "--tp", "3"], "dp x tp x pp = 2 x 3 x 1"),
+                          (["--params=-7B"], "params must be a whole number >= 1")]:
+        out = _cli(*args)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_seed_checks_fail_when_a_formula_is_broken(monkeypatch):
+    """The demo's self-check can go red: break the bubble formula and it must notice."""
+    assert all(ok for _, ok in planner.seed_checks())
+    monkeypatch.setattr(planner, "bubble", lambda p, m: (p - 1) / m)
+    assert not all(ok for _, ok in planner.seed_checks())
+
+
+# ----------------------------------------------------------------------------- measured ledgers
+
+
+def ring_ledgers(numel, dtype, seed):
+    """On every rank: bytes the ring collectives sent and received, and the all-reduce's chunk sizes."""
+    from mini_dist.ring_allreduce import (LEDGER, chunk_bounds, ring_all_gather, ring_all_reduce,
+                                          ring_reduce_scatter)
+    n = dist.get_world_size()
+    x = torch.randn(numel, generator=rank_generator(seed), dtype=torch.float64).to(dtype).to(device())
+    LEDGER.reset()
+    ring_all_reduce(x)
+    all_reduce = (LEDGER.sent, LEDGER.received)
+    LEDGER.reset()
+    ring_reduce_scatter(torch.empty(numel, dtype=dtype, device=device()), x.repeat(n))
+    reduce_scatter = LEDGER.sent
+    LEDGER.reset()
+    ring_all_gather(torch.empty(n * numel, dtype=dtype, device=device()), x)
+    chunks = [b - a for a, b in chunk_bounds(numel, n, x.element_size())]
+    return all_reduce, reduce_scatter, LEDGER.sent, chunks
+
+
+@settings(max_examples=20)
+@given(world=st.sampled_from([1, 2, 3, 4, 5]), numel=st.integers(0, 3000),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]), seed=st.integers(0, 99))
+def test_ring_bytes_per_rank_equal_the_ledger_of_ring_allreduce(world, numel, dtype, seed):
+    """Exact: per rank, including uneven and empty chunks; received by r = sent by r+1 (its right)."""
+    results = run(world, ring_ledgers, numel, dtype, seed)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    for rank, ((sent, received), rs, ag, chunks) in enumerate(results):
+        assert sent == ring_all_reduce_bytes_exact(chunks, rank, elem)
+        assert received == results[(rank + 1) % world][0][0]
+        assert rs == ag == collective_bytes("reduce_scatter", world * numel, world, elem)
+    assert sum(r[0][0] for r in results) == 2 * (world - 1) * numel * elem
+
+
+def zero_ledgers(stage, sizes, dtype):
+    """One ZeroOptimizer step with ring collectives: bytes sent, and the memory ledger after it."""
+    from mini_dist.ring_allreduce import LEDGER
+    from mini_dist.zero import ZeroOptimizer, memory_ledger
+    torch.manual_seed(0)  # the same model on every rank
+    model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])]).to(dtype)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=stage, collectives="ring")
+    model(torch.randn(3, sizes[0], generator=rank_generator(stage)).to(dtype)).float().sum().backward()
+    LEDGER.reset()
+    opt.step()
+    mem = memory_ledger(model.parameters(), opt)
+    return LEDGER.sent, (mem["params"], mem["grads"], mem["state"]), opt.partition.numel
+
+
+@settings(max_examples=15)
+@given(world=st.sampled_from([1, 2, 3, 4, 5]), stage=st.sampled_from([0, 1, 2]),
+       sizes=st.lists(st.integers(1, 9), min_size=2, max_size=4),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_zero_bytes_and_state_per_rank_equal_the_ledgers_of_zero_py(world, stage, sizes, dtype):
+    """Exact, including parameter counts that K does not divide. zero.py keeps the weights (and full
+    gradients) in one flat buffer padded to K equal shards, so the memory check uses the padded count;
+    the traffic functions pad by themselves."""
+    precision = "fp32" if dtype == torch.float32 else "bf16"  # bf16: fp32 master weights in the state
+    for sent, states, numel in run(world, zero_ledgers, stage, sizes, dtype):
+        plan = Plan(dp=world, zero=stage, precision=precision)
+        assert sent == sum(dp_traffic(numel, plan).values())
+        assert states == model_state_bytes(shard(numel, world) * world, world, stage, precision, "adam")
