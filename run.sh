@@ -61,10 +61,12 @@ case "${1:-tour}" in
     .venv/bin/python -m pytest -q tests "$@" ;;
   demo) shift; demo "$@" ;;
   bench)
-    nproc=${2:-4}
+    nproc=${2:-4} status=0
     for module in "${MODULES[@]}"; do
       [ -f "mini_dist/$module.py" ] && grep -q -- '--bench' "mini_dist/$module.py" || continue
-      echo; echo "=== bench $module ==="; demo "$module" "$nproc" --bench
-    done ;;
+      echo; echo "=== bench $module ==="
+      demo "$module" "$nproc" --bench || { echo "bench $module missed its target"; status=1; }
+    done
+    exit $status ;;
   *) sed -n '2,8p' "$0"; exit 2 ;;
 esac

@@ -75,8 +75,8 @@ class Pool:
         # forkserver: a clean server process imports torch once, and every rank is forked from it (a
         # spawn would import torch again for each rank; a plain fork would copy pytest's threads)
         ctx = get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp", "mini_dist.launch",
-                                   "harness"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp",
+                                    "torch.distributed.optim", "torch._dynamo", "mini_dist.launch", "harness"])
         port = launch.free_port()
         for rank in range(self.world):
             parent, child = ctx.Pipe()

@@ -1,0 +1,324 @@
+"""mini DDP against native DistributedDataParallel and against one process on the full batch, for drawn
+adversarial models; plus the structure: bucket membership, launches during backward, silent no_sync."""
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings, strategies as st
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as NativeDDP
+
+from harness import RankFailure, device, rank_generator, run, subgroup
+from mini_dist import ddp
+from mini_dist.ring_allreduce import LEDGER, ring_all_reduce
+
+F64 = torch.float64
+# fp64 throughout. Mini and native DDP (ranks >= 3), or one process on the full batch, add the same
+# terms in another order: native's buckets differ from ours, so gloo's chunks (and per-element sum
+# orders) do; one process sums all N*K*B <= 80 samples in one matmul. Each gradient element then moves
+# by a few ulps of its largest term, ~1e-15 relative. SGD passes that on unchanged; Adam divides by
+# sqrt(v), which magnifies it only where a gradient cancels to < ~1e-7 of its terms (a ~1e-7 chance per
+# element, on ~100 elements). After 3 steps parameters agree to ~1e-15 relative; 1e-12 leaves 1000x
+# margin, while a real bug (no 1/N, a stale bucket, a lost micro-step, zeros for None) moves them >= 1e-4.
+RTOL = 1e-12
+
+
+class Net(nn.Module):
+    """The adversaries: any depth and widths, biases or not, a frozen weight, one weight tied between two
+    layers, a branch no forward uses, a branch only some ranks use."""
+
+    def __init__(self, widths, bias=True, frozen=False, tied=False, unused=False, used_by=None):
+        super().__init__()
+        linear = lambda a, b: nn.Linear(a, b, bias=bias, dtype=F64, device=device())
+        self.layers = nn.ModuleList(linear(a, b) for a, b in zip(widths, widths[1:]))
+        w, self.tied, self.used_by = widths[-1], tied, used_by
+        if tied:
+            self.tied_in, self.tied_out = linear(w, w), linear(w, w)
+            self.tied_out.weight = self.tied_in.weight
+        if unused:
+            self.unused = linear(w, 2)
+        if used_by is not None:
+            self.sometimes = linear(w, w)
+        if frozen:
+            self.layers[0].weight.requires_grad_(False)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        if self.tied:
+            x = self.tied_out(torch.tanh(self.tied_in(x)))
+        if self.used_by is not None and dist.get_rank() in self.used_by:
+            x = x + self.sometimes(x)
+        return x
+
+
+def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
+    return max(((p - q).abs().max() / q.abs().max().clamp_min(1e-300)).item()
+               for p, q in zip(a.parameters(), b.parameters()))
+
+
+def trainable_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def make_optimizer(name, model):
+    # weight decay moves a parameter with a zero gradient, not one with none: tells the two apart
+    return (torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=0.1) if name == "adam" else
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1))
+
+
+def draw_batches(g, widths, batch, accumulation):
+    return [(torch.randn(batch, widths[0], generator=g, dtype=F64).to(device()),
+             torch.randn(batch, widths[-1], generator=g, dtype=F64).to(device()))
+            for _ in range(accumulation)]
+
+
+def full_batch(micro_batches):
+    """Every rank's micro-batches, concatenated: what one process would train on."""
+    mine = [torch.cat(t) for t in zip(*micro_batches)]
+    everyone = [[torch.empty_like(t) for _ in range(dist.get_world_size())] for t in mine]
+    for out, t in zip(everyone, mine):
+        dist.all_gather(out, t)
+    return [torch.cat(out) for out in everyone]
+
+
+def train_four_ways(spec, seed, steps=3):
+    """Per step: (mini vs native DDP, mini on the ring vs mini on dist.all_reduce, mini vs one process
+    on the full batch), max relative parameter differences; plus each mini's bucket count."""
+    torch.manual_seed(seed + dist.get_rank())  # a different init on every rank: the broadcast must fix it
+    model = Net(spec["widths"], spec["bias"], spec["frozen"], spec["tied"], spec["unused"])
+    native_model, single, ring_model = (copy.deepcopy(model) for _ in range(3))
+    cap = {"one bucket": trainable_bytes(model), "several": trainable_bytes(model) // 3,
+           "one param each": 1}[spec["cap"]] / 2 ** 20
+    kwargs = dict(bucket_cap_mb=cap, gradient_as_bucket_view=spec["as_view"],
+                  find_unused_parameters=spec["unused"])
+    minis = [ddp.DistributedDataParallel(model, **kwargs),
+             ddp.DistributedDataParallel(ring_model, all_reduce=ring_all_reduce, **kwargs)]
+    native = NativeDDP(native_model, find_unused_parameters=spec["unused"])
+    single.load_state_dict(native.module.state_dict())  # rank 0's init, as the DDPs start from
+    replicas = minis + [native]
+    optimizers = [make_optimizer(spec["optimizer"], m) for m in replicas + [single]]
+    g = rank_generator(seed)
+    diffs = []
+    for _ in range(steps):
+        micro = draw_batches(g, spec["widths"], spec["batch"], spec["accumulation"])
+        for replica, optimizer in zip(replicas, optimizers):
+            ddp.train_step(replica, optimizer, micro)
+        x, y = full_batch(micro)
+        nn.functional.mse_loss(single(x), y).backward()
+        optimizers[-1].step()
+        optimizers[-1].zero_grad()
+        diffs.append((max_rel_diff(minis[0].module, native.module),
+                      max_rel_diff(minis[1].module, minis[0].module),
+                      max_rel_diff(minis[0].module, single)))
+    return diffs, [len(m.buckets) for m in minis], sum(p.requires_grad for p in model.parameters())
+
+
+specs = st.fixed_dictionaries(dict(
+    widths=st.lists(st.integers(1, 6), min_size=3, max_size=5), bias=st.booleans(),
+    frozen=st.booleans(), tied=st.booleans(), unused=st.booleans(),
+    cap=st.sampled_from(["one bucket", "several", "one param each"]), as_view=st.booleans(),
+    accumulation=st.integers(1, 4), batch=st.integers(1, 4), optimizer=st.sampled_from(["sgd", "adam"])))
+
+
+@given(world=st.integers(1, 5), spec=specs, seed=st.integers(0, 10 ** 6))
+def test_mini_ddp_trains_like_native_ddp_and_like_one_process_on_the_full_batch(world, spec, seed):
+    for diffs, n_buckets, n_trainable in run(world, train_four_ways, spec, seed):
+        for to_native, ring_to_native_collective, to_single in diffs:
+            # ranks <= 2: x/N then one add, commutative, so bit for bit; beyond: another sum order
+            assert to_native == 0.0 if world <= 2 else to_native <= RTOL, to_native
+            # same buckets, and the ring sums every chunk in gloo's order: bit for bit at any N
+            assert ring_to_native_collective == 0.0
+            # one process sums the whole batch in one matmul: same terms, other grouping
+            assert to_single <= RTOL, to_single
+        expected = {"one bucket": 1, "one param each": n_trainable}.get(spec["cap"])
+        assert expected is None or n_buckets == [expected, expected]
+
+
+def test_buckets_for_a_given_cap_hold_the_expected_parameters():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))  # weight 64 B, bias 16 B
+    names = {p: n for n, p in model.named_parameters()}
+    membership = lambda cap: [[names[p] for p in b.params]
+                              for b in ddp.build_buckets(list(model.parameters()), cap)]
+    assert membership(10 ** 6) == [["2.bias", "2.weight", "1.bias", "1.weight", "0.bias", "0.weight"]]
+    assert membership(100) == [["2.bias", "2.weight", "1.bias", "1.weight"], ["0.bias", "0.weight"]]
+    assert membership(80) == [["2.bias", "2.weight"], ["1.bias", "1.weight"], ["0.bias", "0.weight"]]
+    assert membership(1) == [[n] for n in ("2.bias", "2.weight", "1.bias", "1.weight", "0.bias", "0.weight")]
+    model[1].double()  # a buffer has one dtype: the fp64 layer gets buckets of its own
+    assert membership(10 ** 6) == [["2.bias", "2.weight"], ["1.bias", "1.weight"], ["0.bias", "0.weight"]]
+    bucket = ddp.build_buckets(list(model[0].parameters()), 10 ** 6)[0]
+    assert bucket.buffer.numel() == 20 and [v.shape for v in bucket.views] == [(4,), (4, 4)]
+
+
+@given(numels=st.lists(st.integers(1, 300), min_size=1, max_size=12), cap=st.integers(1, 3000))
+def test_buckets_match_natives_assignment_run_over_the_parameters_in_reverse(numels, cap):
+    params = [nn.Parameter(torch.zeros(n)) for n in numels]
+    index = {p: i for i, p in enumerate(params)}
+    mine = [[index[p] for p in b.params] for b in ddp.build_buckets(params, cap)]
+    native, _ = dist._compute_bucket_assignment_by_size(params[::-1], [cap])
+    assert mine == [[len(params) - 1 - i for i in bucket] for bucket in native]
+
+
+def launch_order(widths, collective):
+    model = Net(widths)
+    all_reduce = ring_all_reduce if collective == "ring" else dist.all_reduce
+    mini = ddp.DistributedDataParallel(model, bucket_cap_mb=trainable_bytes(model) / 4 / 2 ** 20,
+                                       all_reduce=all_reduce)
+    x = torch.randn(3, widths[0], dtype=F64, device=device())
+    mini(x).square().sum().backward()
+    t = mini.timeline
+    return len(mini.buckets), t.start[0] < t.ready[-1], max(t.start) < t.backward_end
+
+
+@pytest.mark.parametrize("world,collective", [(2, "native"), (3, "ring"), (5, "native")])
+def test_all_reduces_start_during_backward_for_multi_bucket_models(world, collective):
+    for n_buckets, first_before_last_ready, during in run(world, launch_order, [8] * 6, collective):
+        assert n_buckets >= 3
+        # bucket 0 (the last layers) went out before the first layer's gradients existed
+        assert first_before_last_ready
+        assert during  # and every all-reduce was under way before backward ended
+
+
+def bytes_per_micro_step(accumulation, seed):
+    torch.manual_seed(seed)
+    model = Net([5, 7, 3])
+    mini = ddp.DistributedDataParallel(model, bucket_cap_mb=1e-4, all_reduce=ring_all_reduce)
+    sent, launched, grads = [], [], []
+    for k, (x, y) in enumerate(draw_batches(rank_generator(seed), [5, 7, 3], 2, accumulation)):
+        LEDGER.reset()
+        mini.timeline = ddp.Timeline()
+        with mini.no_sync() if k < accumulation - 1 else contextlib.nullcontext():
+            nn.functional.mse_loss(mini(x), y).backward()
+        sent.append(LEDGER.sent)
+        launched.append(len(mini.timeline.start))
+        grads.append(model.layers[0].weight.grad.clone())
+    return sent, launched, grads, trainable_bytes(model), mini.timeline.bytes, len(mini.buckets)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_no_sync_sends_nothing_until_the_last_micro_step_which_sends_2_n_minus_1_over_n_d(world):
+    results = run(world, bytes_per_micro_step, 4, seed=7)
+    for sent, launched, grads, D, handed, n_buckets in results:
+        assert sent[:-1] == [0, 0, 0] and launched == [0, 0, 0, n_buckets]
+        assert handed == D  # every gradient byte goes to the all-reduce exactly once
+    # per rank the ring sends 2(N-1)/N*D up to uneven chunks; summed over ranks, exactly 2(N-1)*D
+    assert sum(r[0][-1] for r in results) == 2 * (world - 1) * results[0][3]
+    if world > 1:  # micro-steps under no_sync keep local sums; the last one leaves every rank the same
+        assert not torch.equal(results[0][2][-2], results[1][2][-2])
+        assert all(torch.equal(r[2][-1], results[0][2][-1]) for r in results)
+
+
+def backward_with_a_branch(used_by, find_unused, optimizer, seed):
+    """A branch only the ranks in used_by run; returns mini's and native's parameters after 2 steps."""
+    torch.manual_seed(seed + dist.get_rank())
+    model = Net([4, 3, 3], used_by=used_by)
+    native = NativeDDP(copy.deepcopy(model), find_unused_parameters=find_unused)
+    mini = ddp.DistributedDataParallel(model, bucket_cap_mb=1e-4, find_unused_parameters=find_unused)
+    optimizers = [make_optimizer(optimizer, m) for m in (mini, native)]
+    g = rank_generator(seed)
+    for _ in range(2):
+        micro = draw_batches(g, [4, 3, 3], 2, 2)
+        for replica, opt in zip((mini, native), optimizers):
+            ddp.train_step(replica, opt, micro)
+    return [p.detach().clone() for p in mini.parameters()], [p.detach().clone() for p in native.parameters()]
+
+
+@pytest.mark.parametrize("world,used_by,optimizer", [(1, [], "adam"), (3, [1], "adam"), (4, [0, 3], "sgd"),
+                                                     (5, [], "sgd")])
+def test_a_branch_some_or_no_ranks_use_trains_like_native_with_find_unused_parameters(world, used_by,
+                                                                                     optimizer):
+    for mine, native in run(world, backward_with_a_branch, used_by, True, optimizer, seed=3):
+        for p, q in zip(mine, native):
+            assert (p - q).abs().max() <= RTOL * q.abs().max()
+
+
+def test_an_unused_parameter_without_find_unused_parameters_is_named_on_every_rank_without_a_hang():
+    with pytest.raises(RankFailure, match=r"\['sometimes.weight', 'sometimes.bias'\] got no gradient.*"
+                                          r"find_unused_parameters=True") as info:
+        run(3, backward_with_a_branch, [], False, "sgd", seed=1)
+    assert "no answer" not in str(info.value)  # every rank raised: nobody was left waiting
+
+
+def wrap_mismatched_models():
+    ddp.DistributedDataParallel(nn.Linear(3, 2 + (dist.get_rank() == 1)))
+
+
+def test_ranks_with_different_models_are_told_so_on_every_rank():
+    with pytest.raises(RankFailure, match="different parameter/buffer shapes") as info:
+        run(3, wrap_mismatched_models)
+    assert "no answer" not in str(info.value)
+
+
+def test_a_bucket_cap_of_zero_is_rejected_with_what_to_change():
+    with pytest.raises(ValueError, match="bucket_cap_mb must be > 0"):
+        ddp.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=0)
+
+
+def naive_and_native(widths, optimizer, seed):
+    torch.manual_seed(seed + dist.get_rank())
+    model = Net(widths, frozen=True)
+    native = NativeDDP(copy.deepcopy(model))
+    naive = ddp.NaiveDataParallel(model)
+    optimizers = [make_optimizer(optimizer, m) for m in (naive, native)]
+    g = rank_generator(seed)
+    for _ in range(3):
+        (x, y), = draw_batches(g, widths, 3, 1)
+        for replica, opt in zip((naive, native), optimizers):
+            nn.functional.mse_loss(replica(x), y).backward()
+            if replica is naive:
+                naive.sync_gradients()
+            opt.step()
+            opt.zero_grad()
+    return max_rel_diff(naive.module, native.module)
+
+
+@settings(max_examples=8)
+@given(world=st.integers(1, 5), widths=st.lists(st.integers(1, 6), min_size=3, max_size=4),
+       optimizer=st.sampled_from(["sgd", "adam"]), seed=st.integers(0, 10 ** 6))
+def test_naive_data_parallel_trains_like_native_ddp(world, widths, optimizer, seed):
+    # the naive version sums first, then divides (native: divides, then sums): another rounding
+    assert max(run(world, naive_and_native, widths, optimizer, seed)) <= RTOL
+
+
+def train_in_subgroups(groups, seed):
+    """Each subgroup trains its own replica, mini (on the ring) and native DDP side by side."""
+    handles = [subgroup(g) for g in groups]  # every rank creates every group, in the same order
+    k = next(i for i, g in enumerate(groups) if dist.get_rank() in g)
+    torch.manual_seed(seed + dist.get_rank())
+    model = Net([3, 4, 2])
+    native = NativeDDP(copy.deepcopy(model), process_group=handles[k])
+    mini = ddp.DistributedDataParallel(model, bucket_cap_mb=1e-4, group=handles[k],
+                                       all_reduce=ring_all_reduce)
+    optimizers = [make_optimizer("adam", m) for m in (mini, native)]
+    g = rank_generator(seed)
+    for _ in range(2):
+        micro = draw_batches(g, [3, 4, 2], 2, 2)
+        for replica, opt in zip((mini, native), optimizers):
+            ddp.train_step(replica, opt, micro)
+    return k, torch.cat([p.detach().flatten() for p in mini.parameters()]), max_rel_diff(mini, native)
+
+
+def test_ddp_on_subgroups_trains_each_group_like_native_ddp_on_that_group():
+    results = run(5, train_in_subgroups, [[0, 2, 4], [1, 3]], seed=11)
+    assert max(diff for _, _, diff in results) <= RTOL
+    by_group = {k: [params for kk, params, _ in results if kk == k] for k in (0, 1)}
+    for replicas in by_group.values():  # in step within a group...
+        assert all(torch.equal(p, replicas[0]) for p in replicas)
+    assert not torch.equal(by_group[0][0], by_group[1][0])  # ...and on their own across groups
+
+
+def grads_after_sync(as_view):
+    model = Net([3, 4, 2])
+    mini = ddp.DistributedDataParallel(model, bucket_cap_mb=1e-4, gradient_as_bucket_view=as_view)
+    (x, y), = draw_batches(rank_generator(0), [3, 4, 2], 2, 1)
+    nn.functional.mse_loss(mini(x), y).backward()
+    buffers = [b.buffer for b in mini.buckets]
+    return [any(p.grad.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in buffers)
+            for p in model.parameters()]
+
+
+@pytest.mark.parametrize("as_view", [True, False])
+def test_gradient_as_bucket_view_leaves_grads_inside_the_buckets(as_view):
+    assert run(2, grads_after_sync, as_view)[0] == [as_view] * 4

@@ -1,0 +1,407 @@
+"""ZeroOptimizer (ZeRO stages 0/1/2) against native DDP and ZeroRedundancyOptimizer; its ledgers exact.
+
+Tolerance. In fp64 the only difference from the references is the order in which the K gradients are
+summed and where the 1/K is applied: a few ulps (2^-52 ~ 2e-16 relative) per averaged gradient. The
+updates are smooth in the gradient (SGD is linear; Adam's m/(sqrt(v)+eps) moves by a relative amount of
+the same order, unless a gradient is itself within ulps of zero), so after 3 steps on parameters of size
+~1 the difference stays near 1e-15; we allow 1e-12. A real bug (a missed average, a shard stepped twice
+or not at all, lost state) moves parameters by about lr * |grad|, with lr >= 1e-3 and gradients of order
+1: ten million times more. Where results must be bit-identical (the same operations on the same
+numbers), the test says why and uses torch.equal.
+"""
+import io
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from harness import BACKEND, device, rank_generator, run, subgroup
+from mini_dist.zero import Partition, ZeroOptimizer, bytes_sent_formula, memory_formula, memory_ledger
+
+FP64_TOL = 1e-12
+OPTIMIZERS = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+
+
+class Toy(torch.nn.Module):
+    """Parameters of any shapes, each used nonlinearly, and a frozen one (an adversary ZeRO must skip)."""
+
+    def __init__(self, shapes, dtype):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)  # the same initial model on every rank
+        self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype))
+                                         for s in shapes)
+        self.frozen = torch.nn.Parameter(torch.randn(3, generator=g, dtype=dtype), requires_grad=False)
+        self.to(device())
+
+    def forward(self, xs):
+        return sum(torch.tanh(p * x).sum() for p, x in zip(self.ps, xs)) * self.frozen.sum()
+
+
+def batch(model, seed: int) -> list:
+    """This rank's data for step `seed`: different on each rank, the same for every model of the rank."""
+    g = rank_generator(seed)
+    return [torch.randn(p.shape, generator=g, dtype=torch.float64).to(device(), p.dtype) for p in model.ps]
+
+
+def train(model, optimizer, seeds, wrapped=None) -> None:
+    for seed in seeds:
+        optimizer.zero_grad()
+        (wrapped or model)(batch(model, seed)).backward()
+        optimizer.step()
+
+
+def flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).double() for p in model.ps]).cpu()
+
+
+def max_diff(a, b) -> float:
+    return (torch.as_tensor(a).double().cpu() - torch.as_tensor(b).double().cpu()).abs().max().item()
+
+
+hyperparameters = st.one_of(
+    st.tuples(st.just("SGD"), st.fixed_dictionaries({
+        "lr": st.sampled_from([1e-3, 0.05, 0.3]), "momentum": st.sampled_from([0.0, 0.9]),
+        "weight_decay": st.sampled_from([0.0, 1e-2])})),
+    st.tuples(st.sampled_from(["Adam", "AdamW"]), st.fixed_dictionaries({
+        "lr": st.sampled_from([1e-3, 1e-2, 0.1]), "betas": st.sampled_from([(0.9, 0.999), (0.8, 0.99)]),
+        "eps": st.sampled_from([1e-8, 1e-6]), "weight_decay": st.sampled_from([0.0, 0.1]),
+        "amsgrad": st.booleans()})))
+# 1..4 parameters of 0..3 dims: totals rarely divide by K, some are below K (ranks that own only padding)
+shapes = st.lists(st.lists(st.integers(1, 6), min_size=0, max_size=3).map(tuple), min_size=1, max_size=4)
+
+
+def state_buffers(opt) -> int:
+    """Per-element buffers the optimizer keeps: Adam(W) 2 (+1 amsgrad), SGD 1 with momentum, else 0."""
+    name, hp = opt
+    return 2 + hp["amsgrad"] if name != "SGD" else int(hp["momentum"] > 0)
+
+
+# ----------------------------------------------------------------------------- the partition, no ranks
+
+
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6), k=st.integers(1, 5))
+def test_partition_gives_every_rank_one_equal_padded_shard_covering_each_element_once(sizes, k):
+    part = Partition(tuple(f"p{i}" for i in range(len(sizes))), tuple(torch.Size([n]) for n in sizes), k)
+    n = sum(sizes)
+    assert part.shard_size == -(-n // k) and part.padded_numel == k * part.shard_size
+    assert 0 <= part.padded_numel - n < k
+    owned = []
+    for r in range(k):
+        pieces = part.pieces(r)
+        real = max(0, min(part.shard_size, n - r * part.shard_size))
+        assert sum(b - a for _, a, b in pieces) == real  # a shard is real elements, then padding
+        owned += [(name, j) for name, a, b in pieces for j in range(a, b)]
+    assert sorted(owned) == sorted((f"p{i}", j) for i, s in enumerate(sizes) for j in range(s))
+    text = str(part)
+    assert all(f"rank {r}: [{r * part.shard_size}, " in text for r in range(k))
+
+
+# ----------------------------------------------------------------------------- equivalence
+
+
+def equivalence_worker(shapes, stage, opt_name, hp, collectives, steps):
+    cls, seeds = OPTIMIZERS[opt_name], range(steps)
+    ours = Toy(shapes, torch.float64)
+    zero = ZeroOptimizer(ours.named_parameters(), cls, stage=stage, collectives=collectives, **hp)
+    train(ours, zero, seeds)
+    ddp_model = Toy(shapes, torch.float64)
+    ddp = DDP(ddp_model)
+    ddp_opt = cls([p for p in ddp.parameters() if p.requires_grad], **hp)
+    train(ddp_model, ddp_opt, seeds, ddp)
+    zro_model = Toy(shapes, torch.float64)
+    zro_ddp = DDP(zro_model)
+    train(zro_model, ZeroRedundancyOptimizer(zro_ddp.parameters(), cls, **hp), seeds, zro_ddp)
+    ours_state, ref_state = zero.state_dict(to=0), ddp_opt.state_dict()
+    state_diff = None
+    if ours_state is not None:  # rank 0: the consolidated state is the unsharded optimizer's own state
+        assert ours_state["state"].keys() == ref_state["state"].keys()
+        assert ours_state["param_groups"][0]["lr"] == hp["lr"]
+        state_diff = max([0.0] + [max_diff(v, ref_state["state"][i][k])
+                                  for i, s in ours_state["state"].items() for k, v in s.items()])
+    return (max_diff(flat(ours), flat(ddp_model)), max_diff(flat(ours), flat(zro_model)), state_diff,
+            torch.equal(ours.frozen, Toy(shapes, torch.float64).frozen))
+
+
+@settings(max_examples=20)
+@given(world=st.integers(1, 5), shapes=shapes, stage=st.integers(0, 2), opt=hyperparameters,
+       collectives=st.sampled_from(["native", "ring"]))
+def test_zero_equals_native_ddp_and_zero_redundancy_optimizer_for_any_shapes_world_and_optimizer(
+        world, shapes, stage, opt, collectives):
+    results = run(world, equivalence_worker, shapes, stage, opt[0], opt[1], collectives, steps=3)
+    for vs_ddp, vs_zro, _, frozen_kept in results:
+        assert vs_ddp <= FP64_TOL and vs_zro <= FP64_TOL and frozen_kept
+    assert results[0][2] <= FP64_TOL  # consolidated state = the DDP optimizer's state (same bound)
+
+
+def subgroup_worker(ranks, stage):
+    group = subgroup(ranks)
+    if dist.get_rank() not in ranks:
+        return None
+    ours, ref = Toy([(5, 3), (7,)], torch.float64), Toy([(5, 3), (7,)], torch.float64)
+    zero = ZeroOptimizer(ours.parameters(), torch.optim.Adam, stage=stage, group=group, lr=1e-2)
+    train(ours, zero, range(3))
+    ddp = DDP(ref, process_group=group)
+    train(ref, torch.optim.Adam(ddp.parameters(), lr=1e-2), range(3), ddp)
+    return max_diff(flat(ours), flat(ref))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_on_a_subgroup_equals_ddp_on_that_subgroup(stage):
+    diffs = run(5, subgroup_worker, [0, 2, 3], stage)
+    assert diffs[1] is None and diffs[4] is None
+    assert all(diffs[r] <= FP64_TOL for r in (0, 2, 3))
+
+
+def stages_worker(shapes, opt_name, hp, half, collectives, steps):
+    finals = []
+    for stage in (0, 1, 2):
+        model = Toy(shapes, torch.bfloat16 if half else torch.float32)
+        zero = ZeroOptimizer(model.parameters(), OPTIMIZERS[opt_name], stage=stage, collectives=collectives,
+                             **hp)
+        train(model, zero, range(steps))
+        finals.append(flat(model))
+    return all(torch.equal(f, finals[0]) for f in finals)
+
+
+@settings(max_examples=10)
+@given(world=st.integers(1, 5), shapes=shapes, opt=hyperparameters, half=st.booleans(),
+       collectives=st.sampled_from(["native", "ring"]))
+def test_every_stage_gives_bit_identical_parameters(world, shapes, opt, half, collectives):
+    # Every stage reduce-scatters the same flat gradient with the same collective and applies the same
+    # element-wise update to each element, so sharding must not change a single bit. (Native and ring
+    # collectives may sum in different orders: they are compared within the fp64 bound above.)
+    assert all(run(world, stages_worker, shapes, opt[0], opt[1], half, collectives, steps=3))
+
+
+def master_weights_worker(shapes, stage, opt_name, hp, steps):
+    cls = OPTIMIZERS[opt_name]
+    ours = Toy(shapes, torch.bfloat16)
+    zero = ZeroOptimizer(ours.parameters(), cls, stage=stage, **hp)
+    train(ours, zero, range(steps))
+    ref = Toy(shapes, torch.bfloat16)  # the textbook recipe: DDP averages bf16 grads, fp32 masters step
+    ddp = DDP(ref)
+    masters = [p.detach().float() for p in ref.ps]
+    opt = cls(masters, **hp)
+    for seed in range(steps):
+        ref.zero_grad()
+        ddp(batch(ref, seed)).backward()
+        for m, p in zip(masters, ref.ps):
+            m.grad = p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, ref.ps):
+                p.copy_(m)
+    saved = zero.state_dict(to=0)
+    if saved is None:
+        return torch.equal(flat(ours), flat(ref)), True
+    ours_masters = [saved["state"][i]["master_param"] for i in range(len(masters))]
+    return torch.equal(flat(ours), flat(ref)), all(
+        a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(ours_masters, masters))
+
+
+@settings(max_examples=10)
+@given(world=st.integers(1, 2), shapes=shapes, stage=st.integers(0, 2), opt=hyperparameters)
+def test_half_params_are_stepped_through_fp32_master_weights_exactly_like_the_textbook_recipe(
+        world, shapes, stage, opt):
+    # Exact: with K <= 2 the bf16 average does not depend on the order (a + b = b + a, /2 is exact), so
+    # the masters must match to the bit. A master rebuilt from the bf16 weights each step would be off by
+    # up to half a bf16 ulp. (For K >= 3, bf16 sums in another order can even flip the sign of a nearly
+    # cancelling gradient, a whole Adam step; the fp32/fp64 tests cover the averaging for any K.)
+    for params_equal, masters_equal in run(world, master_weights_worker, shapes, stage, *opt, steps=3):
+        assert params_equal and masters_equal
+
+
+# ----------------------------------------------------------------------------- ledgers
+
+
+def ledger_worker(shapes, stage, opt_name, hp, half):
+    from mini_dist.ring_allreduce import LEDGER
+    cls, dtype = OPTIMIZERS[opt_name], torch.bfloat16 if half else torch.float32
+    model = Toy(shapes, dtype)
+    zero = ZeroOptimizer(model.named_parameters(), cls, stage=stage, collectives="ring", **hp)
+    train(model, zero, [0])
+    LEDGER.reset()
+    train(model, zero, [1])
+    sharded = {k: v.numel() for k, v in zero.optimizer.state[zero.master].items() if v.dim() > 0}
+    plain_model = Toy(shapes, dtype)  # the unsharded optimizer, one step on this rank alone
+    plain = cls(plain_model.ps, **hp)
+    train(plain_model, plain, [0])
+    unsharded = {}
+    for s in plain.state.values():
+        for k, v in s.items():
+            if v.dim() > 0:  # per-element (no 0-dim parameters here), not Adam's `step`
+                unsharded[k] = unsharded.get(k, 0) + v.numel()
+    return (zero.partition, sharded, unsharded, LEDGER.sent, LEDGER.received,
+            memory_ledger(model.ps, zero))
+
+
+ledger_cases = dict(world=st.integers(1, 5), shapes=shapes.filter(lambda s: all(len(x) > 0 for x in s)),
+                    stage=st.integers(0, 2), opt=hyperparameters, half=st.booleans())
+
+
+@settings(max_examples=12)
+@given(**ledger_cases)
+def test_optimizer_state_per_rank_is_exactly_its_shard_of_the_unsharded_state(world, shapes, stage, opt,
+                                                                               half):
+    results = run(world, ledger_worker, shapes, stage, opt[0], opt[1], half)
+    part, _, unsharded, *_ = results[0]
+    assert len(unsharded) == state_buffers(opt) and all(v == part.numel for v in unsharded.values())
+    for _, sharded, *_ in results:  # each buffer: the whole padded vector (stage 0) or ceil(N/K) elements
+        assert sharded.keys() == unsharded.keys()
+        assert all(c == (part.padded_numel if stage == 0 else -(-part.numel // world))
+                   for c in sharded.values())
+    if stage > 0:  # together exactly the unsharded state, plus at most K-1 elements of padding
+        for key, n in unsharded.items():
+            total = sum(sharded[key] for _, sharded, *_ in results)
+            assert total == part.padded_numel and 0 <= total - n < world
+
+
+@settings(max_examples=12)
+@given(**ledger_cases)
+def test_bytes_sent_and_received_per_step_equal_the_stage_formula_exactly(world, shapes, stage, opt, half):
+    for part, _, _, sent, received, _ in run(world, ledger_worker, shapes, stage, opt[0], opt[1], half):
+        assert sent == received == bytes_sent_formula(stage, part, 2 if half else 4)
+
+
+@settings(max_examples=12)
+@given(**ledger_cases)
+def test_memory_ledger_of_params_grads_and_state_equals_the_stage_formula_exactly(world, shapes, stage, opt,
+                                                                                  half):
+    for part, *_, mem in run(world, ledger_worker, shapes, stage, opt[0], opt[1], half):
+        state_bytes = 4 * state_buffers(opt) + (4 if half else 0)  # + fp32 master weights for bf16
+        want = memory_formula(stage, part, 2 if half else 4, state_bytes)
+        assert {k: mem[k] for k in want} == want
+
+
+# ----------------------------------------------------------------------------- state dict
+
+
+def round_trip_worker(shapes, stage, stage_after, opt_name, hp, half, to, broadcast, t1, t2):
+    cls, dtype = OPTIMIZERS[opt_name], torch.bfloat16 if half else torch.float32
+    never_stopped = Toy(shapes, dtype)
+    straight = ZeroOptimizer(never_stopped.parameters(), cls, stage=stage_after, **hp)
+    train(never_stopped, straight, range(t1 + t2))
+    first = Toy(shapes, dtype)
+    zero = ZeroOptimizer(first.parameters(), cls, stage=stage, **hp)
+    train(first, zero, range(t1))
+    saved = zero.state_dict(to=to)
+    assert (saved is None) == (dist.get_rank() != to)
+    if saved is not None:  # through bytes, as a checkpoint file would be
+        buffer = io.BytesIO()
+        torch.save({"model": first.state_dict(), "optimizer": saved}, buffer)
+        saved = buffer.getvalue()
+    box = [saved]
+    dist.broadcast_object_list(box, src=to)  # every rank reads the model back
+    checkpoint = torch.load(io.BytesIO(box[0]), weights_only=True)
+    resumed = Toy(shapes, dtype)
+    resumed.load_state_dict(checkpoint["model"])
+    fresh = ZeroOptimizer(resumed.parameters(), cls, stage=stage_after, **hp)
+    if broadcast:  # only rank `to` passes the optimizer state; the others pass None
+        fresh.load_state_dict(checkpoint["optimizer"] if dist.get_rank() == to else None, src=to)
+    else:
+        fresh.load_state_dict(checkpoint["optimizer"])
+    train(resumed, fresh, range(t1, t1 + t2))
+    # the loaded shard must not keep the whole consolidated buffer alive: the same bytes as never stopping
+    return (torch.equal(flat(resumed), flat(never_stopped)),
+            memory_ledger(resumed.ps, fresh) == memory_ledger(never_stopped.ps, straight))
+
+
+@settings(max_examples=12)
+@given(world=st.integers(1, 5), shapes=shapes, stage=st.integers(0, 2), stage_after=st.integers(0, 2),
+       opt=hyperparameters, half=st.booleans(), data=st.data(), broadcast=st.booleans(),
+       t1=st.integers(1, 3), t2=st.integers(1, 2))
+def test_consolidated_state_dict_round_trip_continues_exactly_as_if_never_stopped(
+        world, shapes, stage, stage_after, opt, half, data, broadcast, t1, t2):
+    assume(any(len(s) > 0 for s in shapes))  # all-0-dim models are refused by load_state_dict (see below)
+    to = data.draw(st.integers(0, world - 1))
+    # Bit for bit: the same operations on the same numbers (and every stage gives identical bits, so the
+    # state saved by one stage may be resumed by another)
+    for same, same_memory in run(world, round_trip_worker, shapes, stage, stage_after, *opt, half, to,
+                                 broadcast, t1, t2):
+        assert same and same_memory
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def bad_input_worker(case):
+    """Returns the error this rank raised (caught here, so a slow rank is not mistaken for a hung one)."""
+    model = Toy([(4, 3), (5,)], torch.float32)
+    rank, sgd = dist.get_rank(), torch.optim.SGD
+    try:
+        if case == "disagree":  # rank 0 has an extra parameter the others lack
+            extra = [torch.nn.Parameter(torch.zeros(2, device=device()))] if rank == 0 else []
+            ZeroOptimizer([*model.ps, *extra], sgd, lr=0.1)
+        elif case == "stage":  # only rank 1 is wrong: the others must not wait for it forever
+            ZeroOptimizer(model.parameters(), sgd, stage=3 if rank == 1 else 1, lr=0.1)
+        elif case == "dtypes":  # only rank 2 mixes dtypes
+            wrong = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64, device=device()))
+            extra = [wrong] if rank == 2 else []
+            ZeroOptimizer([*model.ps, *extra], sgd, lr=0.1)
+        elif case == "to":
+            ZeroOptimizer(model.parameters(), sgd, lr=0.1).state_dict(to=dist.get_world_size())
+        elif case == "other model":
+            other = Toy([(4, 4), (5,)], torch.float32)
+            saved = sgd(other.ps, lr=0.1, momentum=0.9)
+            train(other, saved, [0])
+            ZeroOptimizer(model.parameters(), sgd, lr=0.1, momentum=0.9).load_state_dict(saved.state_dict())
+        elif case == "all 0-dim":
+            scalar = Toy([()], torch.float32)
+            zero = ZeroOptimizer(scalar.parameters(), torch.optim.Adam, lr=0.1)
+            train(scalar, zero, [0])
+            zero.load_state_dict(zero.state_dict(to=0), src=0)
+    except ValueError as e:
+        dist.barrier()  # the group is still in step: everyone raised before blocking anywhere
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case, message", [
+    ("disagree", r"ranks disagree: rank 0 has 19 elements in 3 parameters .* rank 1 has 17 in 2"),
+    ("stage", r"rank 1: stage must be 0 \(DDP\), 1 .* or 2 .*, got 3"),
+    ("dtypes", r"rank 2: need parameters .* of one dtype and device; got \['torch.float32/.*', 'torch.float64"),
+    ("to", r"to=3 is not a rank of the group \(0..2\)"),
+    ("other model", r"state 'momentum_buffer' of parameter 0 has 16 elements, the parameter has 12"),
+    ("all 0-dim", r"every parameter is 0-dim"),
+])
+def test_bad_input_raises_the_same_clear_error_on_every_rank_without_hanging(case, message):
+    errors = run(3, bad_input_worker, case, timeout=30)
+    assert errors[0] is not None and re.search(message, errors[0]) and errors == [errors[0]] * 3
+
+
+# ----------------------------------------------------------------------------- GPU (issue 11)
+
+
+def cuda_memory_worker(stage):
+    import gc
+    k, dev = dist.get_world_size(), device()
+    block = lambda nbytes: -(-nbytes // 512) * 512  # the caching allocator rounds allocations up to 512 B
+    gc.collect()
+    base = torch.cuda.memory_allocated(dev)
+    # 384*k fp32 elements in all: Psi and S = 384 are multiples of 128 elements (512 B), so no rounding
+    model = Toy([(128 * k,), (2 * k, 128)], torch.float32)
+    zero = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=stage, lr=1e-3)
+    train(model, zero, range(2))
+    torch.cuda.synchronize(dev)
+    gc.collect()
+    mem = memory_ledger(model.ps, zero)
+    # outside the ledger: the frozen parameter (12 B in one block) and any step counter kept on the GPU
+    # (Adam keeps it on the CPU unless capturable or fused)
+    extra = block(model.frozen.untyped_storage().nbytes()) + sum(
+        block(v.nbytes) for v in zero.optimizer.state[zero.master].values() if v.dim() == 0 and v.is_cuda)
+    return torch.cuda.memory_allocated(dev) - base, mem["params"] + mem["grads"] + mem["state"] + extra
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or BACKEND != "nccl",
+                    reason="needs CUDA and MINI_DIST_BACKEND=nccl (./run.sh test --gpu): the memory ledger "
+                           "is checked against torch.cuda.memory_allocated, the GPU allocator's own count")
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_memory_ledger_equals_torch_cuda_memory_allocated(world, stage):
+    for allocated, ledger in run(world, cuda_memory_worker, stage):
+        assert allocated == ledger
