@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-MODULES=(launch ring_allreduce ddp zero fsdp tensor_parallel pipeline mixed_precision train_3d planner)
+MODULES=(launch ring_allreduce ddp zero fsdp tensor_parallel vocab_parallel pipeline mixed_precision mesh train_3d planner)
 
 setup() {
   local python=${PYTHON:-python3}
