@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.launch import VERBOSE, conclude, print0, setup
+from mini_dist.launch import VERBOSE, conclude, device, print0, setup
 
 SUM, AVG, MAX, MIN, PRODUCT = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX,
                                dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
@@ -244,24 +244,26 @@ def naive_all_reduce(tensor: torch.Tensor, op=SUM, group=None) -> torch.Tensor:
 # ----------------------------------------------------------------------------- demo
 
 
-def _time(fn, tensor: torch.Tensor, repeats: int) -> float:
-    fn(tensor.clone())  # warm-up: first messages set up buffers
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn(tensor.clone())
-    dist.barrier()
-    return (time.perf_counter() - start) / repeats
-
-
 def bandwidth_table(sizes_kib: list[int]) -> list[tuple[int, float, float, float]]:
-    """(KiB, native s, ring s, naive s) per message size; the same data goes through all three."""
+    """(KiB, native s, ring s, naive s) per message size: medians of interleaved runs, so that a noisy
+    neighbour on a shared machine slows all three alike instead of whichever ran during the noise."""
     rows = []
     for kib in sizes_kib:
-        x = torch.randn(kib * 256)
-        repeats = max(2, min(50, (8 << 10) // kib))
-        rows.append((kib, _time(dist.all_reduce, x, repeats), _time(ring_all_reduce, x, repeats),
-                     _time(naive_all_reduce, x, repeats)))
+        x = torch.randn(kib * 256, device=device())
+        times = {fn: [] for fn in (dist.all_reduce, ring_all_reduce, naive_all_reduce)}
+        for repeat in range(max(3, min(30, (8 << 10) // kib))):
+            for fn, samples in times.items():
+                y = x.clone()
+                dist.barrier()
+                start = time.perf_counter()
+                fn(y)
+                if y.is_cuda:
+                    torch.cuda.synchronize()
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=MAX)  # a collective is as slow as its slowest rank
+                if repeat:  # the first run of each size sets up buffers
+                    samples.append(elapsed.item())
+        rows.append((kib, *(sorted(v)[len(v) // 2] for v in times.values())))
     return rows
 
 
