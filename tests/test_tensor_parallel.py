@@ -1,16 +1,15 @@
 """Tensor parallelism equals the dense PyTorch modules it splits: nn.Linear, an nn.Sequential MLP,
-nn.MultiheadAttention, a pre-norm block of them, nn.Embedding + F.cross_entropy. Outputs, input gradients
-and all-gathered weight gradients, in fp64, for TP sizes 1-4 on groups that need not span the pool (a TP
-group of 3 inside a pool of 4 or 5; two groups of 2 side by side in a pool of 4), with and without
-sequence parallelism. The collectives per layer are counted at torch.distributed itself.
+nn.MultiheadAttention and a pre-norm block of them (the vocabulary is tested in test_vocab_parallel.py).
+Outputs, input gradients and all-gathered weight gradients, in fp64, for TP sizes 1-4 on groups that need
+not span the pool (a TP group of 3 inside a pool of 4 or 5; two groups of 2 side by side in a pool of 4),
+with and without sequence parallelism. The collectives per layer are counted at torch.distributed itself.
 
 Tolerance. Both sides compute the same sums in a different order: a matmul split in T pieces whose
 partial results are added by an all-reduce, a softmax whose max and sum come from T shards. Reordering a
 K-term sum changes it by at most K*eps*sum|terms|; here K <= ~300 (hidden, 4*hidden, tokens) and the terms
-are O(1), so differences stay below ~1e-13 of the largest value (seen: <= 1.1e-15 over 60 drawn
-cases). We allow
-TOL = 1000 * eps(fp64) = 2.2e-13 relative to max(1, largest value). A wrong shard, a missing or doubled
-reduction or a bias added T times is an O(1) error.
+are O(1), so differences stay below ~1e-13 of the largest value (seen: <= 1.1e-15 over 60 drawn cases).
+We allow TOL = 1000 * eps(fp64) = 2.2e-13 relative to max(1, largest value). A wrong shard, a missing or
+doubled reduction or a bias added T times is an O(1) error.
 """
 import copy
 
@@ -18,10 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import device, run, subgroup
 from mini_dist import tensor_parallel as tp
@@ -248,60 +245,6 @@ def test_parallel_mlp_equals_torch_distributed_tensor_parallel_with_and_without_
         assert errors and max(max(e) for e in errors) < TOL, errors
 
 
-# ----- vocabulary -----
-
-class ShapeRecorder(TorchDispatchMode):
-    """Every tensor any op produces on this rank, by shape: proof of what was (not) materialised."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.shapes.append(tuple(t.shape))
-        return out
-
-
-def vocab_worker(seed, T, batch, seq, vocab_k, h, sp):
-    group, index = tp_group(T)
-    if group is None:
-        return None
-    seed_group(seed, index)
-    V, s = vocab_k * T, seq * T
-    dense = nn.Sequential(nn.Embedding(V, h), nn.Linear(h, V, bias=False)).to(device(), F64)
-    ids = torch.randint(0, V, (batch, s), device=device())
-    target = torch.randint(0, V, (batch, s), device=device())
-    ref_loss = F.cross_entropy(dense(ids).flatten(0, 1), target.flatten())
-    ref_loss.backward()
-    kw = dict(sequence_parallel=sp, group=group, device=device(), dtype=F64)
-    results = []
-    for loss_fn in (tp.vocab_parallel_cross_entropy, tp.naive_vocab_cross_entropy):
-        parallel = nn.Sequential(tp.VocabParallelEmbedding(V, h, **kw),
-                                 tp.ColumnParallelLinear(h, V, bias=False, **kw))
-        tp.shard_from_dense(parallel, dense, group)
-        with ShapeRecorder() as recorder:
-            loss = loss_fn(parallel(ids), target, group).mean()
-            loss.backward()
-        full_logits = [shape for shape in recorder.shapes if shape[-1:] == (V,)]
-        results.append((compare(parallel, dense, group, loss, ref_loss, []), full_logits))
-    return results
-
-
-@settings(max_examples=15)
-@given(worlds_and_sizes, st.integers(1, 3), st.integers(1, 3), st.integers(5, 8), st.integers(1, 4),
-       st.booleans(), st.integers(0, 2**16))
-def test_vocab_parallel_embedding_and_cross_entropy_equal_dense_without_full_logits(T_world, batch, seq,
-                                                                                   vocab_k, h, sp, seed):
-    T, world = T_world  # vocab_k >= 5 > h: a tensor whose last dim is V can only be full logits
-    for ours, naive in [r for r in run(world, vocab_worker, seed, T, batch, seq, vocab_k, h, sp) if r]:
-        assert ours[0] < TOL and naive[0] < TOL, (ours, naive)
-        assert ours[1] == [] or T == 1, f"the vocab-parallel loss built full logits {ours[1]}"
-        assert naive[1] != [], "the recorder must see the naive loss all-gather the full logits"
-
-
 # ----- collectives, counted at torch.distributed -----
 
 def count_worker(T, layers, sp):
@@ -362,73 +305,57 @@ def test_two_all_reduces_per_layer_each_way_or_their_reduce_scatter_all_gather_h
         assert backward_seen == {names[k]: v for k, v in want_bwd.items()}, result
 
 
-def cross_entropy_count_worker(T):
-    group, _ = tp_group(T)
-    if group is None:
-        return None
-    logits, target = torch.randn(3, 5, 7, device=device()), torch.randint(0, 7 * T, (3, 5), device=device())
-    logits.requires_grad_()
-    tp.COUNTER.reset()
-    loss = tp.vocab_parallel_cross_entropy(logits, target, group)
-    forward = dict(tp.COUNTER.calls), dict(tp.COUNTER.bytes)
-    tp.COUNTER.reset()
-    loss.sum().backward()
-    return forward, dict(tp.COUNTER.calls)
-
-
-def test_vocab_parallel_cross_entropy_all_reduces_per_token_numbers_not_logits():
-    # forward: one all-reduce of the 15 per-token maxima, one of the 2 x 15 stacked sums; backward: none
-    for result in run(3, cross_entropy_count_worker, 3):
-        assert result == (({"all_reduce": 2}, {"all_reduce": (15 + 30) * 4}), {}), result
-
-
 # ----- errors: clear, identical on every rank, before anyone blocks -----
 
-def errors_worker():
-    group, _ = tp_group(2)
-    messages, x = [], lambda *shape: torch.randn(shape, device=device())  # noqa: E731
-    for build in [lambda: tp.ParallelAttention(9, 3, group=group),
-                  lambda: tp.ParallelAttention(10, 4, group=group),
-                  lambda: tp.ColumnParallelLinear(4, 5, group=group),
-                  lambda: tp.RowParallelLinear(5, 4, group=group),
-                  lambda: tp.VocabParallelEmbedding(11, 4, group=group),
-                  lambda: tp.ColumnParallelLinear(4, 6, group=group)(x(2, 3, 5)),
-                  lambda: tp.RowParallelLinear(4, 6, group=group)(x(2, 3, 4)),
-                  lambda: tp.ParallelMLP(4, sequence_parallel=True, group=group)(x(2, 4)),
-                  lambda: tp.split_to_sp(x(2, 3, 4), group),
-                  lambda: tp.VocabParallelEmbedding(8, 4, group=group)(torch.tensor([[0, 8]], device=device())),
-                  lambda: tp.vocab_parallel_cross_entropy(x(2, 3, 4), x(2, 4).long(), group),
-                  lambda: tp.shard_from_dense(tp.ColumnParallelLinear(4, 6, group=group), nn.Linear(4, 8),
-                                              group),
-                  lambda: tp.shard_from_dense(tp.ParallelMLP(4, group=group), nn.Linear(4, 4), group)]:
+def error_messages(builds):
+    """What each call raises (None if it returns) on this rank, then a barrier that a rank blocked in a
+    collective would never reach."""
+    messages = []
+    for build in builds:
         try:
             build()
             messages.append(None)
         except ValueError as e:
             messages.append(str(e))
-    dist.barrier()  # nobody is stuck in a collective: every rank got here
+    dist.barrier()
     return messages
 
 
-def test_bad_sizes_and_shapes_raise_clear_errors_on_every_rank_without_blocking():
-    results = run(4, errors_worker)
+def assert_same_clear_errors(results, expected):
     assert all(r == results[0] for r in results), "ranks disagree: some would block in a collective"
-    expected = ["num_heads=3 is not divisible by the tensor-parallel size 2",
-                "hidden=10 is not divisible by num_heads=4",
-                "out_features=5 is not divisible by the tensor-parallel size 2",
-                "in_features=5 is not divisible by the tensor-parallel size 2",
-                "num_embeddings (vocabulary)=11 is not divisible by the tensor-parallel size 2",
-                "ColumnParallelLinear expects inputs [..., 4], got (2, 3, 5)",
-                "RowParallelLinear expects inputs [..., 2], got (2, 3, 4)",
-                "sequence parallel needs [batch, seq/T, hidden] inputs, got (2, 4)",
-                "size 3 along dim 1 is not divisible by the tensor-parallel size 2",
-                "token ids must lie in [0, 8)",
-                "logits (2, 3, 4) and target (2, 4) must agree",
-                "shard of shape (4, 4) does not fit a parameter of shape (3, 4)",
-                "the dense module has no parameter '0.weight'"]
     assert len(results[0]) == len(expected)
     for message, want in zip(results[0], expected):
         assert message is not None and message.startswith(want), (message, want)
+
+
+def errors_worker():
+    group, _ = tp_group(2)
+    x = lambda *shape: torch.randn(shape, device=device())  # noqa: E731
+    return error_messages([lambda: tp.ParallelAttention(9, 3, group=group),
+                           lambda: tp.ParallelAttention(10, 4, group=group),
+                           lambda: tp.ColumnParallelLinear(4, 5, group=group),
+                           lambda: tp.RowParallelLinear(5, 4, group=group),
+                           lambda: tp.ColumnParallelLinear(4, 6, group=group)(x(2, 3, 5)),
+                           lambda: tp.RowParallelLinear(4, 6, group=group)(x(2, 3, 4)),
+                           lambda: tp.ParallelMLP(4, sequence_parallel=True, group=group)(x(2, 4)),
+                           lambda: tp.split_to_sp(x(2, 3, 4), group),
+                           lambda: tp.shard_from_dense(tp.ColumnParallelLinear(4, 6, group=group),
+                                                       nn.Linear(4, 8), group),
+                           lambda: tp.shard_from_dense(tp.ParallelMLP(4, group=group), nn.Linear(4, 4), group)])
+
+
+def test_bad_sizes_and_shapes_raise_clear_errors_on_every_rank_without_blocking():
+    assert_same_clear_errors(run(4, errors_worker), [
+        "num_heads=3 is not divisible by the tensor-parallel size 2",
+        "hidden=10 is not divisible by num_heads=4",
+        "out_features=5 is not divisible by the tensor-parallel size 2",
+        "in_features=5 is not divisible by the tensor-parallel size 2",
+        "ColumnParallelLinear expects inputs [..., 4], got (2, 3, 5)",
+        "RowParallelLinear expects inputs [..., 2], got (2, 3, 4)",
+        "sequence parallel needs [batch, seq/T, hidden] inputs, got (2, 4)",
+        "size 3 along dim 1 is not divisible by the tensor-parallel size 2",
+        "shard of shape (4, 4) does not fit a parameter of shape (3, 4)",
+        "the dense module has no parameter '0.weight'"])
 
 
 def outsider_worker():

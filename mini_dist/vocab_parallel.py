@@ -1,0 +1,143 @@
+"""Vocabulary parallelism (Megatron-LM): the embedding table and the loss split by vocabulary, T ways.
+
+The vocabulary is the widest dim of a language model (GPT-2: V = 50257 against h = 768), so its embedding
+table [V, h] and its logits [b, s, V] are what tensor parallelism must not keep whole. Rank i of T holds
+rows i*V/T .. (i+1)*V/T of the embedding; a token's vector comes from the one rank that owns its id (the
+others contribute zeros) through one all-reduce, Megatron's g. The output layer is column-parallel, so
+each rank ends with V/T logits per token, and the cross-entropy
+
+    loss = log sum_j exp(z_j - m) - (z_target - m),        m = max_j z_j   (j over all V)
+
+needs whole-vocabulary numbers only per token: all-reduce the local maxima, then the local sums of exp
+together with the target logit (it lives on one rank, the others add 0). Per token that is
+
+    3 elements all-reduced (max, sum, target logit)    vs    V elements all-gathered (and stored)
+
+when the naive way all-gathers the b*s*V logits and calls F.cross_entropy. Backward talks not at all:
+d loss / d z_j = softmax_j - [j = target] needs only the local softmax and the owner of the target.
+
+Demo (checks against nn.Embedding + F.cross_entropy, prints bytes per token beside the naive all-gather):
+
+    torchrun --standalone --nproc_per_node=4 mini_dist/vocab_parallel.py
+
+Mirrors: nn.Embedding and F.cross_entropy, split the way Megatron-LM's VocabParallelEmbedding and
+vocab_parallel_cross_entropy split them. The f/g operators and layers come from tensor_parallel.py.
+"""
+import copy
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mini_dist import launch  # noqa: E402
+from mini_dist.tensor_parallel import (COUNTER, ColumnParallelLinear, _all_reduce, _check_divisible,  # noqa: E402
+                                       _param, g, gather_from_tp, gather_to_dense, reduce_scatter_to_sp,
+                                       shard_from_dense, tp_size)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """nn.Embedding with the vocabulary split: rank i holds rows i*V/T..; a token's vector comes from
+    the one rank that owns it (the others contribute zeros) through one all-reduce."""
+
+    def __init__(self, num_embeddings, embedding_dim, sequence_parallel=False, group=None, device=None,
+                 dtype=None):
+        super().__init__()
+        T = tp_size(group)
+        _check_divisible("num_embeddings (vocabulary)", num_embeddings, T,
+                         "pad the vocabulary to a multiple of T (Megatron pads to a multiple of 128*T)")
+        self.num_embeddings, self.sequence_parallel, self.group = num_embeddings, sequence_parallel, group
+        self.vocab_start = dist.get_rank(group) * (num_embeddings // T)
+        self.weight = _param((num_embeddings // T, embedding_dim), 0, device=device, dtype=dtype)
+
+    def forward(self, ids):
+        if ids.numel() and (ids.min() < 0 or ids.max() >= self.num_embeddings):
+            raise ValueError(f"token ids must lie in [0, {self.num_embeddings}); got "
+                             f"[{ids.min().item()}, {ids.max().item()}]")
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1)
+        return reduce_scatter_to_sp(out, self.group) if self.sequence_parallel else g(out, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        start = dist.get_rank(group) * logits.shape[-1]
+        # softmax needs the max and the sum over the WHOLE vocabulary: all-reduce one number per token each
+        logits = logits - _all_reduce(logits.max(-1).values, -1, group, dist.ReduceOp.MAX).unsqueeze(-1)
+        local = target - start
+        mine = (local >= 0) & (local < logits.shape[-1])
+        local = torch.where(mine, local, 0)
+        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine  # target logit, on its owner
+        exp = logits.exp()
+        picked, sum_exp = _all_reduce(torch.stack([picked, exp.sum(-1)]), -1, group)  # two sums, one collective
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, mine)
+        return sum_exp.log() - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors
+        # d loss / d logit_j = softmax_j - [j is the target]: only the owning rank subtracts the 1
+        grad_logits = softmax.scatter_add(-1, local.unsqueeze(-1), -mine.unsqueeze(-1).to(softmax.dtype))
+        return grad_logits * grad.unsqueeze(-1), None, None
+
+
+def naive_vocab_cross_entropy(logits, target, group=None):
+    """The naive way: all-gather the full [..., V] logits on every rank, then F.cross_entropy."""
+    full = gather_from_tp(logits, group)
+    return F.cross_entropy(full.flatten(0, -2), target.flatten(), reduction="none").view_as(target)
+
+
+def vocab_parallel_cross_entropy(logits, target, group=None):
+    """Per-token F.cross_entropy(full_logits, target, reduction='none') from this rank's V/T logits."""
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} must agree "
+                         "on every dim but the last (vocabulary / T)")
+    return _VocabParallelCrossEntropy.apply(logits, target, group)
+
+
+# ----- demo -----
+
+def demo() -> int:
+    env = launch.setup()
+    T, dev, f64 = env.world_size, env.device, torch.float64
+    batch, seq, h, V = 2, 24, 32, 1200  # V = 1200 splits evenly for T = 1 .. 6
+    if V % T:
+        launch.print0(f"the demo splits a vocabulary of {V}: run it on 1 to 6 ranks")
+        return launch.conclude("vocab_parallel", False, f"T={T} does not divide V={V}", False, "")
+    dense = nn.Sequential(nn.Embedding(V, h), nn.Linear(h, V, bias=False)).to(dev, f64)
+    ids = torch.randint(0, V, (batch, seq), device=dev)  # the same on every rank: setup() seeds them alike
+    target = torch.randint(0, V, (batch, seq), device=dev)
+    dense_loss = F.cross_entropy(dense(ids).flatten(0, 1), target.flatten(), reduction="none").view_as(target)
+    dense_loss.mean().backward()
+    worst, sent = 0.0, []
+    for loss_fn in (vocab_parallel_cross_entropy, naive_vocab_cross_entropy):
+        model = shard_from_dense(nn.Sequential(VocabParallelEmbedding(V, h, device=dev, dtype=f64),
+                                               ColumnParallelLinear(h, V, False, device=dev, dtype=f64)), dense)
+        logits = model(ids)
+        z = logits.detach().requires_grad_()  # a cut in the graph: count what the loss alone sends, both ways
+        COUNTER.reset()
+        loss = loss_fn(z, target)
+        loss.mean().backward()
+        sent.append(sum(COUNTER.bytes.values()) / (batch * seq))
+        logits.backward(z.grad)
+        gathered = gather_to_dense(model, copy.deepcopy(dense))
+        pairs = [(loss, dense_loss)] + [(p.grad, q.grad) for p, q in zip(gathered.parameters(), dense.parameters())]
+        worst = max([worst] + [(a - b).abs().max().item() for a, b in pairs])
+    want = [3 * 8, V * 8]  # fp64: 8 bytes an element
+    launch.print0(f"nn.Embedding({V}, {h}) + F.cross_entropy over {batch * seq} tokens, V split {T} ways, fp64: "
+                  f"max |parallel - dense| (per-token loss, weight grads) = {worst:.1e}")
+    launch.print0(f"bytes per token: vocab-parallel {sent[0]:g} all-reduced (formula 3 x 8 = {want[0]} if T > 1), "
+                  f"naive {sent[1]:g} all-gathered (formula V x 8 = {want[1]} if T > 1)")
+    return launch.conclude("vocab_parallel", worst < 1e-12, f"= nn.Embedding + F.cross_entropy ({worst:.0e})",
+                           sent == (want if T > 1 else [0, 0]),
+                           f"{sent[0]:g} B/token all-reduced vs {sent[1]:g} all-gathered")
+
+
+if __name__ == "__main__":
+    raise SystemExit(demo())
