@@ -201,11 +201,6 @@ class StepStats:
     bytes_sent: int = 0  # activations forward + activation gradients backward + one shape header
 
 
-def _global_rank(group, group_rank: int) -> int:
-    """isend/irecv name ranks of the world; stage i of a pipeline on a subgroup is the group's rank i."""
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
-
 def pipeline_step(stage: nn.Module, schedule: list[list[Action]], inputs=None, targets=None, loss_fn=None,
                   group=None):
     """Run one training step of `schedule` on this rank's `stage` (any module, one tensor to one tensor).
@@ -232,19 +227,17 @@ def pipeline_step(stage: nn.Module, schedule: list[list[Action]], inputs=None, t
     if batch != n_targets or batch % M:
         raise ValueError(f"a batch of {batch} inputs and {n_targets} targets cannot be cut into {M} equal "
                          f"microbatches: pass as many targets as inputs and choose M dividing {batch}")
-    prev = None if first else _global_rank(group, s - 1)
-    nxt = None if last else _global_rank(group, s + 1)
     x_in = dict(enumerate(inputs.chunk(M))) if first else {}
     y_target = targets.chunk(M) if last else None
     out, grad_out, in_flight, loss, shape, shape_sent, stats = {}, {}, [], None, None, False, StepStats()
 
-    def send(tensor, peer):
+    def send(tensor, peer):  # peer, like s, is a rank of the pipeline group: stage i is its rank i
         tensor = tensor.contiguous()
         stats.bytes_sent += tensor.numel() * tensor.element_size()
-        in_flight.append((dist.isend(tensor, peer, group=group), tensor))  # the buffer lives until sent
+        in_flight.append((dist.isend(tensor, group=group, group_dst=peer), tensor))  # kept until sent
 
     def recv(tensor, peer):
-        dist.irecv(tensor, peer, group=group).wait()
+        dist.irecv(tensor, group=group, group_src=peer).wait()
         return tensor
 
     t0 = time.perf_counter()
@@ -252,10 +245,10 @@ def pipeline_step(stage: nn.Module, schedule: list[list[Action]], inputs=None, t
         start = time.perf_counter() - t0
         if op == "recv_act":
             if shape is None:  # all microbatches have one shape: it travels once, in a header
-                header = recv(torch.empty(HEADER_LEN, dtype=torch.int64, device=dev), prev)
+                header = recv(torch.empty(HEADER_LEN, dtype=torch.int64, device=dev), s - 1)
                 code, ndim, *sizes = header.tolist()
                 shape = (sizes[:ndim], _DTYPES[code])
-            x_in[m] = recv(torch.empty(shape[0], dtype=shape[1], device=dev), prev).requires_grad_()
+            x_in[m] = recv(torch.empty(shape[0], dtype=shape[1], device=dev), s - 1).requires_grad_()
         elif op == "forward":
             out[m] = stage(x_in[m])
             if last:  # the mean of M microbatch means is the batch mean
@@ -264,17 +257,17 @@ def pipeline_step(stage: nn.Module, schedule: list[list[Action]], inputs=None, t
         elif op == "send_act":
             if not shape_sent:
                 shape_sent, header = True, [_DTYPES.index(out[m].dtype), out[m].dim(), *out[m].shape]
-                send(torch.tensor(header + [0] * (HEADER_LEN - len(header)), device=dev), nxt)
-            send(out[m].detach(), nxt)
+                send(torch.tensor(header + [0] * (HEADER_LEN - len(header)), device=dev), s + 1)
+            send(out[m].detach(), s + 1)
         elif op == "recv_grad":
-            grad_out[m] = recv(torch.empty_like(out[m]), nxt)
+            grad_out[m] = recv(torch.empty_like(out[m]), s + 1)
         elif op == "backward":
             y = out.pop(m)
             if y.requires_grad:  # else nothing before it needs a gradient (a frozen first stage)
                 torch.autograd.backward(y, grad_out.pop(m, None))
         elif op == "send_grad":
             x = x_in.pop(m)
-            send(x.grad if x.grad is not None else torch.zeros_like(x), prev)
+            send(x.grad if x.grad is not None else torch.zeros_like(x), s - 1)
         if VERBOSE and op.startswith(("send", "recv")):
             print(f"[rank {dist.get_rank()}] stage {s} {op} microbatch {m}", flush=True)
         # a buffer goes once sent: holding all M until the end would undo 1F1B's memory saving
@@ -317,26 +310,29 @@ class SimulatedCompute(nn.Module):
         return x
 
 
-def check_gradients(P: int) -> float:
-    """Max |difference| of loss and grads from one process on the full batch, over our two schedules and
-    torch's (M = 2P: torch's 1F1B refuses M < P)."""
-    torch.manual_seed(0)  # the same model and batch on every rank
-    widths, loss_fn, M = [8, 32, 16, 24, 16, 32, 8, 4], nn.MSELoss(), 2 * P
-    model = nn.Sequential(*[m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.Tanh())])
-    model.double()
-    x, y = torch.randn(48, 8, dtype=torch.float64), torch.randn(48, 4, dtype=torch.float64)
+def against_torch(model: nn.Sequential, x, y, steps: int = 0):
+    """Ours and torch.distributed.pipelining, both schedules, M = 2P (torch's 1F1B refuses M < P), on this
+    rank's stage of `model`: the max |difference| of loss and grads from one process on the full batch,
+    and {(schedule, executor): ms per step} over `steps` more steps (the checked one is their warm-up)."""
+    P, M, loss_fn = dist.get_world_size(), 2 * dist.get_world_size(), nn.MSELoss()
     full_loss = loss_fn(model(x), y)
     full_loss.backward()
     stage = pipeline_stage(model)
-    expected, worst = [p.grad.clone() for p in stage.parameters()], 0.0
+    expected, worst, times = [p.grad.clone() for p in stage.parameters()], 0.0, {}
     for name, build in SCHEDULES.items():
-        for step in (lambda a, b: pipeline_step(stage, build(P, M), a, b, loss_fn)[0],
-                     torch_pipelining(stage, name, M, loss_fn)):
+        for who, step in (("mini_dist", lambda a, b: pipeline_step(stage, build(P, M), a, b, loss_fn)[0]),
+                          ("torch.distributed.pipelining", torch_pipelining(stage, name, M, loss_fn))):
             stage.zero_grad()
             loss = step(x, y)
             worst = max([worst, 0.0 if loss is None else abs(loss - full_loss).item()] +
                         [(p.grad - e).abs().max().item() for p, e in zip(stage.parameters(), expected)])
-    return worst
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(x, y)
+            dist.barrier()
+            times[name, who] = (time.perf_counter() - start) / max(steps, 1) * 1e3
+    return worst, times
 
 
 def measure(P: int, M: int, name: str, seconds: float, width: int = 64):
@@ -355,30 +351,13 @@ def measure(P: int, M: int, name: str, seconds: float, width: int = 64):
     return [st.events for st in every], every[0].peak_live, ok
 
 
-def bench(P: int, steps: int = 5) -> None:
-    """Step time on real compute, ours vs torch.distributed.pipelining, same split and schedule."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(2 * P)])
-    x, y, loss_fn, M = torch.randn(256, 1024), torch.randn(256, 1024), nn.MSELoss(), 2 * P
-    stage = pipeline_stage(model)
-    for name, build in SCHEDULES.items():
-        times = {}
-        for who, step in (("mini_dist", lambda a, b: pipeline_step(stage, build(P, M), a, b, loss_fn)),
-                          ("torch.distributed.pipelining", torch_pipelining(stage, name, M, loss_fn))):
-            step(x, y)  # warm-up
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                step(x, y)
-            dist.barrier()
-            times[who] = (time.perf_counter() - start) / steps * 1e3
-        print0(f"bench {name:>5} P={P} M={M}: " + ", ".join(f"{k} {v:.0f} ms/step" for k, v in times.items()))
-
-
 def demo() -> int:
-    env = setup()
-    P, t = env.world_size, 0.03
-    worst = check_gradients(P)
+    P, t = setup().world_size, 0.03
+    torch.manual_seed(0)  # the same model and batch on every rank
+    widths = [8, 32, 16, 24, 16, 32, 8, 4]
+    model = nn.Sequential(*[m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.Tanh())])
+    x, y = torch.randn(48, 8, dtype=torch.float64), torch.randn(48, 4, dtype=torch.float64)
+    worst = against_torch(model.double(), x, y)[0]
     print0(f"loss and grads, fp64: pipelined GPipe and 1F1B = torch.distributed.pipelining = one process on "
            f"the full batch, max diff {worst:.1e}")
     figure_ok, rows = True, []
@@ -398,8 +377,13 @@ def demo() -> int:
         rows.append(f"{row} {formula:>14.3f}")
     print0("measured bubble beside the formula; (live): stage 0's peak of microbatches held\n"
            f"{'M':>3} {'GPipe':>7} (live) {'1F1B':>7} (live) {'(P-1)/(M+P-1)':>14}\n" + "\n".join(rows))
-    if "--bench" in sys.argv:
-        bench(P)
+    if "--bench" in sys.argv:  # real compute: ours vs torch on the same split, timed in one run
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(2 * P)])
+        times = against_torch(model, torch.randn(256, 1024), torch.randn(256, 1024), steps=5)[1]
+        for name in SCHEDULES:
+            print0(f"bench {name:>5} P={P} M={2 * P}: " + ", ".join(
+                f"{who} {ms:.0f} ms/step" for (n, who), ms in times.items() if n == name))
     # fp64 rounding differences are ~1e-16; a lost microbatch or a wrong 1/M would be >= 1e-3
     return conclude("pipeline", worst < 1e-12, f"= torch pipelining = full batch (fp64, {worst:.0e})",
                     figure_ok, "bubble within 0.05 of (P-1)/(M+P-1); live mb GPipe M, 1F1B min(M,P-s); bytes")

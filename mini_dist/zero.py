@@ -348,6 +348,7 @@ def _train(model, forward, optimizer, steps: int) -> None:
 
 def demo() -> int:
     from mini_dist.ring_allreduce import LEDGER
+    print0 = launch.print0
     k, runs = launch.setup().world_size, {}
     for kind, stage in [("ddp", 0), ("zro", 0), ("zero", 0), ("zero", 1), ("zero", 2)]:
         runs[kind, stage] = _make(kind, torch.float64, stage)
@@ -355,65 +356,54 @@ def demo() -> int:
     worst = max((p - q).abs().max().item() for s in (0, 1, 2) for ref in ("ddp", "zro")
                 for p, q in zip(runs["zero", s][0].parameters(), runs[ref, 0][0].parameters()))
     equal = worst <= 1e-12  # fp64: only the order in which the K gradients are summed differs (~1e-16)
-    launch.print0(f"{runs['zero', 1][2].partition}\n3 Adam steps in fp64, stages 0/1/2 vs native DDP and "
-                  f"ZeroRedundancyOptimizer: max |diff| {worst:.1e} ({'PASS' if equal else 'FAIL'}: "
-                  f"<= 1e-12)")
+    print0(f"{runs['zero', 1][2].partition}\n3 Adam steps in fp64, stages 0/1/2 vs native DDP and "
+           f"ZeroRedundancyOptimizer: max |diff| {worst:.1e} ({'PASS' if equal else 'FAIL'}: <= 1e-12)")
     model, forward, adam = _make("ddp", torch.float32)
     _train(model, forward, adam, 1)
     ddp_bytes = sum(v for c, v in memory_ledger(model.parameters(), adam).items() if c != "scalars")
-    exact, per_n, sent = True, {}, {}
+    n, exact, per_n, sent = sum(p.numel() for p in model.parameters()), True, {}, {}
     for half in (False, True):
         b, state_bytes = (2, 12) if half else (4, 8)  # 12 = fp32 master 4 + Adam 8
+        print0(f"\n{'bf16 params + fp32 master Adam' if half else 'fp32 Adam'}, K={k}, N={n:,} (rank 0 "
+               f"shown; every rank checked)\nstage | sent/step B = formula   |  params   grads   state | "
+               f"total B = formula")
         for stage in (0, 1, 2):
             model, forward, zero = _make("zero", torch.bfloat16 if half else torch.float32, stage)
             _train(model, forward, zero, 1)
             LEDGER.reset()
             _train(model, forward, zero, 1)  # one step's bytes; the ledger right after it
-            sent[half, stage], n = LEDGER.sent, zero.partition.numel
             want = memory_formula(stage, zero.partition, b, state_bytes)
             got = [memory_ledger(model.parameters(), zero)[c] for c in want]
-            exact &= sent[half, stage] == bytes_sent_formula(stage, zero.partition, b)
+            sent[half, stage], per_n[half, stage] = LEDGER.sent, sum(got) / n
             exact &= got == list(want.values())
-            per_n[half, stage] = sum(got) / n
-            if stage == 0:
-                launch.print0(f"\n{'bf16 params + fp32 master Adam' if half else 'fp32 Adam'}, K={k}, "
-                              f"N={n:,} (rank 0 shown; every rank checked)\n{'stage':<6}| "
-                              f"{'sent/step B':>11} = formula   | {'params':>7} {'grads':>7} {'state':>7} | "
-                              f"{'total B':>7} = formula")
-            launch.print0(f"{stage:<6}| {sent[half, stage]:>11,} = {'232'[stage]}(K-1)S*b | {got[0]:>7,} "
-                          f"{got[1]:>7,} {got[2]:>7,} | {sum(got):>7,} = {FORMULAS[half][stage]} "
-                          f"= {per_n[half, stage]:.2f}N")
+            exact &= LEDGER.sent == bytes_sent_formula(stage, zero.partition, b)
+            print0(f"{stage:<6}| {LEDGER.sent:>11,} = {'232'[stage]}(K-1)S*b | {got[0]:>7,} {got[1]:>7,} "
+                   f"{got[2]:>7,} | {sum(got):>7,} = {FORMULAS[half][stage]} = {per_n[half, stage]:.2f}N")
     ratio = [sent[False, s] / max(1, sent[False, 0]) for s in (1, 2)]
-    launch.print0(f"\nnative DDP + Adam measures {ddp_bytes / n:.2f}N, as stage 0. " + (
+    print0(f"\nnative DDP + Adam measures {ddp_bytes / n:.2f}N, as stage 0. " + (
         f"Bytes vs DDP: ZeRO-1 {ratio[0]:.2f}x, ZeRO-2 {ratio[1]:.2f}x (its reduce-scatter halves the "
         f"gradient traffic, the parameter all-gather spends it again)" if k > 1 else "K=1 sends nothing.") +
         f"\nfp32 ZeRO-1 measures {per_n[False, 1]:.2f}N = 8N + 8N/K; the often-quoted 4N + 12N/K = "
         f"{per_n[True, 1]:.2f}N is the half-precision accounting (bf16 + fp32 master above)")
-    if "--bench" in sys.argv:
-        bench()
+    if "--bench" in sys.argv:  # ms per step in one run, native collectives, after a warm-up step
+        times = {}
+        for name, kind, stage in [("DDP + Adam", "ddp", 0), ("DDP + ZeroRedundancyOptimizer", "zro", 0),
+                                  ("ZeroOptimizer stage 1", "zero", 1), ("ZeroOptimizer stage 2", "zero", 2)]:
+            made = _make(kind, torch.float32, stage, (512, 1024, 1024, 512), collectives="native")
+            _train(*made, steps=1)
+            dist.barrier()
+            start = time.perf_counter()
+            _train(*made, steps=5)
+            dist.barrier()
+            times[name] = (time.perf_counter() - start) / 5
+        zro = times["DDP + ZeroRedundancyOptimizer"]
+        print0(f"\nbench: {sum(p.numel() for p in made[0].parameters()) / 1e6:.1f}M fp32 parameters, "
+               f"Adam, K={k}, native collectives, 5 steps after a warm-up" + "".join(
+                   f"\n  {name:<30} {t * 1e3:8.1f} ms/step  ({t / zro:.2f}x ZeroRedundancyOptimizer)"
+                   for name, t in times.items()))
     return launch.conclude("zero", equal, f"= DDP and ZeroRedundancyOptimizer ({worst:.0e})",
                            exact and ddp_bytes == 16 * n,
                            f"bytes, memory = formulas (ZeRO-2 {per_n[False, 2]:.2f}N)")
-
-
-def bench(sizes=(512, 1024, 1024, 512), steps: int = 5) -> None:
-    """ms per step in one run: native DDP + Adam, DDP + ZeroRedundancyOptimizer, ZeroOptimizer 1 and 2."""
-    times = {}
-    for name, kind, stage in [("DDP + Adam", "ddp", 0), ("DDP + ZeroRedundancyOptimizer", "zro", 0),
-                              ("ZeroOptimizer stage 1", "zero", 1), ("ZeroOptimizer stage 2", "zero", 2)]:
-        made = _make(kind, torch.float32, stage, sizes, collectives="native")
-        _train(*made, steps=1)  # warm-up
-        dist.barrier()
-        start = time.perf_counter()
-        _train(*made, steps=steps)
-        dist.barrier()
-        times[name] = (time.perf_counter() - start) / steps
-    n = sum(p.numel() for p in made[0].parameters())
-    launch.print0(f"\nbench: {n / 1e6:.1f}M fp32 parameters, Adam, K={dist.get_world_size()}, "
-                  f"native collectives, {steps} steps after a warm-up")
-    for name, t in times.items():
-        launch.print0(f"  {name:<30} {t * 1e3:8.1f} ms/step  "
-                      f"({t / times['DDP + ZeroRedundancyOptimizer']:.2f}x ZeroRedundancyOptimizer)")
 
 
 if __name__ == "__main__":
