@@ -35,7 +35,6 @@ import ctypes
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -50,20 +49,18 @@ from mini_dist import ring_allreduce  # noqa: E402
 from mini_dist.launch import conclude, print0, setup  # noqa: E402
 
 
-@dataclass
 class Ledger:
     """One rank's events since reset() (phase, unit, what, bytes sent, gathered bytes after), and the peak."""
-    events: list = field(default_factory=list)
-    gathered: int = 0  # bytes of full (unsharded) parameters alive right now
-    peak: int = 0
+
+    def __init__(self):
+        self.events, self.gathered, self.peak = [], 0, 0  # gathered: bytes of full parameters alive now
 
     def record(self, phase: str, unit: str, what: str, sent: int, gathered: int) -> None:
         self.events.append((phase, unit, what, sent, gathered))
         self.gathered, self.peak = gathered, max(self.peak, gathered)
 
     def reset(self) -> None:
-        self.events.clear()
-        self.peak = self.gathered
+        self.events, self.peak = [], self.gathered
 
     def count(self, what: str, unit: str | None = None) -> int:
         return sum(e[2] == what and unit in (None, e[1]) for e in self.events)
@@ -76,7 +73,7 @@ class Ledger:
 class FlatParameter:
     """One unit's parameters as one vector of K*S elements; rank r owns elements [r*S, (r+1)*S)."""
 
-    def __init__(self, name, names, params, slots, rank, world, param_dtype):
+    def __init__(self, name, names, params, slots, world, param_dtype):
         self.name, self.names, self.slots = name, names, slots  # slots: (module, attr, index of param)
         self.shapes, self.numels = [p.shape for p in params], [p.numel() for p in params]
         self.numel, self.shard_numel, self.world = sum(self.numels), -(-sum(self.numels) // world), world
@@ -121,12 +118,9 @@ class FullyShardedDataParallel(nn.Module):
         self.module, self.group, self.param_dtype = module, group, param_dtype
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.ledger, self._finished, self._callback_queued = Ledger(), [], False
-        unit_modules = _pick_units(module, wrap)
-        self.units, modules, params = self._flatten(module, unit_modules, param_dtype)
+        self.units, modules, initial = self._flatten(module, _pick_units(module, wrap), param_dtype)
         self.shards = nn.ParameterList([u.shard for u in self.units])  # all the optimizer will see
-        self._check_same_model_everywhere()
-        for unit, ps in zip(self.units, params):  # rank 0's initial values win, as in DDP
-            self._scatter_from_rank0(unit, unit.flatten(ps) if self.rank == 0 else None)
+        self.load_full_state_dict(initial if self.rank == 0 else None)  # rank 0's values win, as in DDP
         for unit, m in zip(self.units, modules):
             m.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True)
             m.register_forward_hook(partial(self._post_forward, unit))
@@ -145,7 +139,7 @@ class FullyShardedDataParallel(nn.Module):
             for child in m.children():
                 visit(child, unit)
         visit(root, root)
-        units, modules, kept, owner = [], [], [], {}
+        units, modules, initial, owner = [], [], {}, {}
         for m in unit_modules:
             params = list({id(p): p for _, _, p in found[id(m)]}.values())  # tied parameters once
             for p in params:
@@ -158,29 +152,20 @@ class FullyShardedDataParallel(nn.Module):
                 raise ValueError(f"unit {module_names[id(m)]} mixes parameter dtypes, devices or frozen and "
                                  f"trainable parameters: one flat parameter needs one kind; wrap them apart")
             index = {id(p): i for i, p in enumerate(params)}
-            unit = FlatParameter(module_names[id(m)], [names[id(p)] for p in params], params,
-                                 [(sub, attr, index[id(p)]) for sub, attr, p in found[id(m)]],
-                                 self.rank, self.world, param_dtype)
+            units.append(FlatParameter(module_names[id(m)], [names[id(p)] for p in params], params,
+                                       [(sub, attr, index[id(p)]) for sub, attr, p in found[id(m)]],
+                                       self.world, param_dtype))
+            modules.append(m)
+            initial.update({names[id(p)]: p.detach() for p in params})
             for sub, attr, _ in found[id(m)]:
                 del sub._parameters[attr]  # the module keeps no full copy: only views, set in forward
-            units.append(unit)
-            modules.append(m)
-            kept.append([p.detach() for p in params])
-        return units, modules, kept
-
-    def _check_same_model_everywhere(self) -> None:
-        """Every rank must build the same units, or the collectives below would pair up wrong and hang."""
-        mine = [(u.name, u.numel, str(u.shard.dtype)) for u in self.units]
-        everyone = [None] * self.world
-        dist.all_gather_object(everyone, mine, group=self.group)
-        bad = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
-        if bad:
-            raise ValueError(f"ranks {bad} built other units than rank 0 ({everyone[0]} vs "
-                             f"{everyone[bad[0]]}): every rank must build the same module, same wrap")
+        return units, modules, initial
 
     # ----- the collectives, each recorded in the ledger
 
-    def _record(self, phase: str, unit: FlatParameter, what: str, sent: int = 0) -> None:
+    def _record(self, phase: str, unit: FlatParameter, what: str, piece: torch.Tensor | None = None) -> None:
+        """piece: what a ring sends per step, one shard; a collective of K ranks sends K-1 of them."""
+        sent = 0 if piece is None else (self.world - 1) * piece.nbytes
         gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)
         self.ledger.record(phase, unit.name, what, sent, gathered)
 
@@ -188,12 +173,12 @@ class FullyShardedDataParallel(nn.Module):
         """All-gather the unit's full vector into its re-allocated storage (left in flight unless wait)."""
         if not unit.gathered:
             full = unit.full
-            full.untyped_storage().resize_(full.numel() * full.element_size())
+            full.untyped_storage().resize_(full.nbytes)
             shard = unit.shard.detach().to(full.dtype)  # in param_dtype: half the bytes on the wire
             # .data: autograd saved views of `full` in forward and checks they were not rewritten in
             # place; we refill the very values they held, so the write must not bump the version.
             unit.work = (dist.all_gather_single(full.data, shard, group=self.group, async_op=True), shard)
-            self._record(phase, unit, "all-gather", (self.world - 1) * shard.numel() * shard.element_size())
+            self._record(phase, unit, "all-gather", shard)
         if wait and unit.work is not None:
             unit.work[0].wait()
             unit.work = None
@@ -210,17 +195,10 @@ class FullyShardedDataParallel(nn.Module):
         grad, full.grad = full.grad, None
         out = torch.empty(unit.shard_numel, dtype=grad.dtype, device=grad.device)
         dist.reduce_scatter_single(out, grad, group=self.group)  # SUM, then / K: works on every backend
-        self._record("backward", unit, "reduce-scatter", (self.world - 1) * out.numel() * out.element_size())
+        self._record("backward", unit, "reduce-scatter", out)
         out = out.div_(self.world).to(unit.shard.dtype)
         unit.shard.grad = out if unit.shard.grad is None else unit.shard.grad.add_(out)
         self._free(unit, "backward")
-
-    def _scatter_from_rank0(self, unit: FlatParameter, flat: torch.Tensor | None) -> None:
-        piece = torch.empty_like(unit.shard)
-        dist.scatter(piece, list(flat.chunk(self.world)) if self.rank == 0 else None, group=self.group,
-                     group_src=0)
-        with torch.no_grad():
-            unit.shard.copy_(piece)
 
     # ----- the hooks: forward pre/post on each unit, pre-backward on its outputs (post: _reduce_scatter)
 
@@ -228,12 +206,16 @@ class FullyShardedDataParallel(nn.Module):
         self._finished = []  # the order units finish forward, reversed, is the order of their backward
         return self.module(*args, **kwargs)
 
-    def _pre_forward(self, unit, module, args, kwargs):
-        self._gather(unit, "forward")
-        following = self.units[self.units.index(unit) + 1:]
+    def _before_compute(self, unit: FlatParameter, phase: str, order: list) -> None:
+        """Gather the unit and wait; with prefetch, first start the gather of the unit after it in order."""
+        self._gather(unit, phase)
+        following = order[order.index(unit) + 1:] if unit in order else []
         if self.prefetch and following:
-            self._gather(following[0], "forward", wait=False)
-        self._record("forward", unit, "compute")
+            self._gather(following[0], phase, wait=False)
+        self._record(phase, unit, "compute")
+
+    def _pre_forward(self, unit, module, args, kwargs):
+        self._before_compute(unit, "forward", self.units)
         unit.attach_views()
         if self.param_dtype is not None:
             cast = lambda t: t.to(self.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t
@@ -253,12 +235,7 @@ class FullyShardedDataParallel(nn.Module):
         if not self._callback_queued:  # the engine's end-of-backward hook (DDP's reducer uses it too)
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._gather(unit, "backward")
-        order = self._finished[::-1]
-        following = order[order.index(unit) + 1:] if unit in order else []
-        if self.prefetch and following:
-            self._gather(following[0], "backward", wait=False)
-        self._record("backward", unit, "compute")
+        self._before_compute(unit, "backward", self._finished[::-1])
 
     def _end_of_backward(self) -> None:
         """Free what no gradient reached (a frozen unit, an unused one, a prefetch that was not needed)."""
@@ -280,18 +257,25 @@ class FullyShardedDataParallel(nn.Module):
         return state
 
     def load_full_state_dict(self, state: dict | None) -> None:
-        """Group rank 0's full state dict (others may pass None) -> every rank's shards."""
-        error = [""]
-        if self.rank == 0:
-            wrong = [f"{n} (want shape {tuple(s)})" for u in self.units for n, s in zip(u.names, u.shapes)
-                     if n not in state or tuple(state[n].shape) != tuple(s)]
-            error[0] = f"state dict lacks or misshapes: {', '.join(wrong)}" if wrong else ""
-        dist.broadcast_object_list(error, group=self.group, group_src=0)  # everyone raises, no one hangs
-        if error[0]:
-            raise ValueError(error[0])
+        """Group rank 0's full state dict (others may pass None) -> every rank's shards. Every rank must
+        have built the same units and the dict must fit them, or the scatters would pair up wrong and
+        hang: all ranks learn both answers from one all-gather and raise the same error."""
+        wrong = [f"{n} (want shape {tuple(s)})" for u in self.units for n, s in zip(u.names, u.shapes)
+                 if n not in state or tuple(state[n].shape) != tuple(s)] if self.rank == 0 else []
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, ([(u.name, u.numel, str(u.shard.dtype)) for u in self.units], wrong),
+                               group=self.group)
+        units = [theirs for theirs, _ in everyone]
+        bad = [r for r, theirs in enumerate(units) if theirs != units[0]]
+        if bad:
+            raise ValueError(f"ranks {bad} built other units than rank 0 ({units[0]} vs {units[bad[0]]}): "
+                             f"every rank must build the same module, same wrap")
+        if everyone[0][1]:
+            raise ValueError(f"state dict lacks or misshapes: {', '.join(everyone[0][1])}")
         for unit in self.units:
             flat = unit.flatten([state[n].to(unit.shard) for n in unit.names]) if self.rank == 0 else None
-            self._scatter_from_rank0(unit, flat)
+            dist.scatter(unit.shard.detach(), list(flat.chunk(self.world)) if self.rank == 0 else None,
+                         group=self.group, group_src=0)
 
 
 def _pick_units(root: nn.Module, wrap) -> list[nn.Module]:
@@ -306,7 +290,7 @@ def _pick_units(root: nn.Module, wrap) -> list[nn.Module]:
     return [root] + inside
 
 
-# ----------------------------------------------------------------------------- demo
+# ----------------------------------------------------------------------------- demo and --bench
 
 
 class Block(nn.Module):
@@ -320,19 +304,18 @@ class Block(nn.Module):
         return x + self.down(torch.tanh(self.up(x)))
 
 
-def make_model(width, hidden, depth, dtype, device) -> nn.Sequential:
+def make_model(width, hidden, depth, dtype, device, native=False, **options) -> nn.Module:
+    """Linear -> Blocks -> Linear, each Block a unit: wrapped by us, or by native fully_shard (FSDP2)."""
     torch.manual_seed(0)
     blocks = [Block(width, hidden) for _ in range(depth)]
-    return nn.Sequential(nn.Linear(width, width), *blocks, nn.Linear(width, width)).to(device, dtype)
-
-
-def native_fsdp2(model: nn.Module, device) -> nn.Module:
+    model = nn.Sequential(nn.Linear(width, width), *blocks, nn.Linear(width, width)).to(device, dtype)
+    if not native:
+        return FullyShardedDataParallel(model, wrap=Block, **options)
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
-    for m in model.modules():
-        if isinstance(m, Block):
-            fully_shard(m, mesh=mesh)
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
 
@@ -345,40 +328,35 @@ def train_step(model, optimizer, x, y) -> float:
 
 
 def check_against_fully_shard(env, steps: int = 3) -> float:
-    """fp64 Adam: the largest difference in losses and gathered parameters."""
+    """fp64 Adam on the same per-rank data: the largest difference in losses and gathered parameters."""
     g = torch.Generator().manual_seed(env.rank)
     data = [torch.randn(2, 4, 6, generator=g, dtype=torch.float64).to(env.device) for _ in range(steps)]
-    ours = FullyShardedDataParallel(make_model(6, 10, 3, torch.float64, env.device), wrap=Block)
-    native = native_fsdp2(make_model(6, 10, 3, torch.float64, env.device), env.device)
+    ours, native = (make_model(6, 10, 3, torch.float64, env.device, native=n) for n in (False, True))
     losses = []
     for m in (ours, native):
         optimizer = torch.optim.Adam(m.parameters(), lr=0.01)
         losses.append([train_step(m, optimizer, x, y) for x, y in data])
-    worst = max(abs(a - b) for a, b in zip(*losses))
     native_params = {n: p.full_tensor() for n, p in native.named_parameters()}
-    for name, p in ours.full_state_dict().items():
-        worst = max(worst, (p - native_params[name]).abs().max().item())
-    return worst
+    return max([abs(a - b) for a, b in zip(*losses)] +
+               [(p - native_params[n]).abs().max().item() for n, p in ours.full_state_dict().items()])
 
 
-SYMBOL = {"all-gather": "G", "compute": "C", "reduce-scatter": "R", "free": "F"}
-
-
-def timeline(ledger: Ledger, names: list[str]) -> list[str]:
+def timeline(ledger: Ledger, names: list[str]) -> str:
     """A row per unit, a column per event; '=' while the unit is gathered, '.' while only its shard is."""
-    rows, alive, phase = {n: f"{n:>6} " for n in names}, dict.fromkeys(names, False), "forward"
+    symbol = {"all-gather": "G", "compute": "C", "reduce-scatter": "R", "free": "F"}
+    rows, alive, phase = {n: f"  {n:>6} " for n in names}, dict.fromkeys(names, False), "forward"
     for step_phase, unit, what, *_ in ledger.events:
         if step_phase != phase:
             phase, rows = step_phase, {n: r + "|" for n, r in rows.items()}
         alive[unit] = what != "free" and (alive[unit] or what == "all-gather")
         for n in names:
-            rows[n] += SYMBOL[what] if n == unit else "=" if alive[n] else "."
-    return list(rows.values())
+            rows[n] += symbol[what] if n == unit else "=" if alive[n] else "."
+    return "\n".join(rows.values())
 
 
 def one_step(env, reshard: bool):
-    model = make_model(30, 97, 6, torch.float32, env.device)  # unit sizes not divisible by K
-    fsdp = FullyShardedDataParallel(model, wrap=Block, reshard_after_forward=reshard)
+    """Forward and backward through 6 Blocks whose unit sizes K does not divide; gathered B after forward."""
+    fsdp = make_model(30, 97, 6, torch.float32, env.device, reshard_after_forward=reshard)
     x = torch.randn(8, 30, generator=torch.Generator().manual_seed(env.rank)).to(env.device)
     fsdp.ledger.reset()
     out = fsdp(x)
@@ -395,22 +373,18 @@ def demo() -> int:
     worst, allowed = check_against_fully_shard(env), 0.0 if K <= 2 else 1e-14  # why: tests/test_fsdp.py
     print0(f"vs fully_shard (FSDP2), fp64 Adam, 3 steps, K = {K}: max |diff| of losses and parameters "
            f"{worst:.1e} (allowed {allowed:g})")
-
     fsdp, after_forward = one_step(env, reshard=True)
-    print0("one step on rank 0 (G all-gather, C compute, R reduce-scatter, F free; = gathered, . shard only)")
-    for row in timeline(fsdp.ledger, [u.name for u in fsdp.units]):
-        print0("  " + row)
     kept, kept_after_forward = one_step(env, reshard=False)
+    print0("one step on rank 0 (G all-gather, C compute, R reduce-scatter, F free; = gathered, . shard only)")
+    print0(timeline(fsdp.ledger, [u.name for u in fsdp.units]))
     per_unit = lambda f: f"{f.ledger.count('all-gather', '1')} all-gather(s) + 1 reduce-scatter"
     print0(f"why gather twice: after forward rank 0 holds {after_forward} B of full parameters (shards "
            f"only), but\n  backward needs every W again (dL/dx = dL/dy W): per unit {per_unit(fsdp)}.\n  "
            f"reshard_after_forward=False keeps them: {per_unit(kept)}, but holds {kept_after_forward} B "
            f"at the turn\n  (peak {kept.ledger.peak} B instead of {fsdp.ledger.peak} B)")
 
-    full = [u.full.numel() * u.full.element_size() for u in fsdp.units]  # root first, then the blocks
-    shards = sum(u.shard.numel() * u.shard.element_size() for u in fsdp.units)
-    formula = full[0] + max(a + b for a, b in zip(full[1:], full[2:]))
-    N = sum(u.numel for u in fsdp.units)
+    full, shards = [u.full.nbytes for u in fsdp.units], sum(u.shard.nbytes for u in fsdp.units)  # root first
+    formula, N = full[0] + max(a + b for a, b in zip(full[1:], full[2:])), sum(u.numel for u in fsdp.units)
     print0(f"parameter memory per rank: shards {shards} B + gathered peak {fsdp.ledger.peak} B (ledger) = "
            f"{shards + fsdp.ledger.peak} B\n  formula N/K + root + 2 units = {shards + formula} B; "
            f"DDP holds N = {4 * N} B")
@@ -430,8 +404,16 @@ class MallInfo2(ctypes.Structure):
                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def heap_peak(step) -> int:
-    """CPU tensors live in glibc's heap and the CPU keeps no allocator peak: sample bytes in use meanwhile."""
+def peak_bytes(step, device) -> int:
+    """Memory one step holds above its start: CUDA's allocator peak; on CPU, which keeps none, glibc's heap
+    bytes in use (mallinfo2's hblkhd + uordblks) sampled every 0.1 ms by a thread while the step runs."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
     mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
     mallinfo2.restype = MallInfo2
     in_use = lambda: (lambda info: info.uordblks + info.hblkhd)(mallinfo2())
@@ -449,26 +431,8 @@ def heap_peak(step) -> int:
     return peak[0] - base
 
 
-def measure(step, device, steps: int) -> tuple[float, int]:
-    """Seconds per step (barrier to barrier), then the peak memory of one more step above its start."""
-    step()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    dist.barrier()
-    seconds = (time.perf_counter() - start) / steps
-    if device.type != "cuda":
-        return seconds, heap_peak(step)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return seconds, torch.cuda.max_memory_allocated() - base
-
-
 def bench(env, width: int = 512, depth: int = 8, batch: int = 16, steps: int = 5) -> int:
+    """Seconds per step (barrier to barrier, after a warm-up step), then the peak memory of one more step."""
     g = torch.Generator().manual_seed(env.rank)
     x, y = (torch.randn(batch, width, generator=g).to(env.device) for _ in range(2))
     N = depth * (8 * width * width + 5 * width) + 2 * (width * width + width)
@@ -477,13 +441,18 @@ def bench(env, width: int = 512, depth: int = 8, batch: int = 16, steps: int = 5
            f"{batch}, {env.world_size} ranks on {env.device.type}\n  peak: {kind}, above the step's "
            f"start; gathered: the ledger's peak of full parameters")
     seconds = {}
-    for name in ("mini_dist", "no prefetch", "fully_shard"):
-        model = make_model(width, 4 * width, depth, torch.float32, env.device)
-        wrapped = native_fsdp2(model, env.device) if name == "fully_shard" else \
-            FullyShardedDataParallel(model, wrap=Block, prefetch=name == "mini_dist")
-        optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-4)
-        seconds[name], peak = measure(lambda: train_step(wrapped, optimizer, x, y), env.device, steps)
-        gathered = f"{wrapped.ledger.peak / 2 ** 20:5.1f} MiB" if name != "fully_shard" else "  n/a"
+    for name, options in [("mini_dist", {}), ("no prefetch", {"prefetch": False}),
+                          ("fully_shard", {"native": True})]:
+        model = make_model(width, 4 * width, depth, torch.float32, env.device, **options)
+        step = partial(train_step, model, torch.optim.Adam(model.parameters(), lr=1e-4), x, y)
+        step()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        dist.barrier()
+        seconds[name], peak = (time.perf_counter() - start) / steps, peak_bytes(step, env.device)
+        gathered = f"{model.ledger.peak / 2 ** 20:5.1f} MiB" if name != "fully_shard" else "  n/a"
         print0(f"  {name:>12}: {seconds[name] * 1e3:8.1f} ms/step   peak {peak / 2 ** 20:6.1f} MiB   "
                f"gathered {gathered}")
     ratio = seconds["mini_dist"] / seconds["fully_shard"]
