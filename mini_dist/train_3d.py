@@ -1,0 +1,278 @@
+"""3D parallelism: one tiny GPT trained with data x pipeline x tensor parallelism, equal to one process.
+
+The world is a dp x pp x tp grid of ranks (mini_dist.mesh). Each rank holds 1/tp of the weights (Megatron
+tensor parallelism) of 1/pp of the layers (a pipeline stage) and sees 1/dp of the global batch (a data-
+parallel replica, cut further into M microbatches). The model is written once: the same class builds the
+dense reference from PyTorch's layers or the tensor-parallel one from mini_dist's, with the same parameter
+names, so the parallel model starts as an exact shard of the dense one and must stay one, step after step.
+
+Bytes one rank moves per step (b = its replica's batch = B/dp sequences, s tokens, h hidden, e bytes per
+element, L = transformer blocks on its stage):
+
+    TP  (payload of each collective)  [4L + embedding + LM head] * b*s*h*e  +  3*b*s*e for the loss
+        (2 all-reduces per block forward, 2 backward; the vocab-parallel embedding all-reduces forward and
+        the LM head backward; the cross-entropy all-reduces a max and two sums per token)
+    PP  b*s*h*e to the next stage + b*s*h*e of gradient to the previous one (+ one shape header):
+        activations between neighbours only, whatever M is
+    DP  ring all-reduce of the stage's D gradient bytes: 2(N-1)/N * D (ZeRO-1: 3(N-1)*S*e, ZeRO-2:
+        2(N-1)*S*e with S = ceil(numel/N), see mini_dist.zero)
+
+so TP's bytes scale with the activations of every layer (keep it inside a node), PP's with one activation
+per stage boundary, DP's with the parameters, once per step.
+
+Demo (mesh picture, loss per step beside the single-process dense run, bytes per axis beside the formulas):
+
+    torchrun --standalone --nproc_per_node=4 mini_dist/train_3d.py --dp 2 --tp 2
+    torchrun --standalone --nproc_per_node=4 mini_dist/train_3d.py --pp 2 --tp 2 --microbatches 4 --zero 2
+
+Mirrors Megatron-LM's 3D parallelism (tensor, pipeline, data) and torchtitan's composition of
+torch.distributed.tensor.parallel, torch.distributed.pipelining and FSDP on a DeviceMesh.
+"""
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mini_dist.ddp import NaiveDataParallel  # noqa: E402
+from mini_dist.launch import conclude, device, print0, setup  # noqa: E402
+from mini_dist.mesh import Mesh  # noqa: E402
+from mini_dist.pipeline import HEADER_LEN, SCHEDULES, balanced_split, pipeline_stage, pipeline_step  # noqa: E402
+from mini_dist.ring_allreduce import LEDGER, ring_all_reduce  # noqa: E402
+from mini_dist.tensor_parallel import (COUNTER, ColumnParallelLinear, ParallelTransformerBlock,  # noqa: E402
+                                       TransformerBlock, shard_from_dense)
+from mini_dist.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy  # noqa: E402
+from mini_dist.zero import Partition, ZeroOptimizer, bytes_sent_formula  # noqa: E402
+
+CORPUS = (
+    "a pipeline cuts the layers into stages and the batch into microbatches. tensor parallelism cuts every "
+    "weight matrix, so the ranks of one layer talk twice forward and twice backward. data parallelism copies "
+    "the model and averages the gradients once per step. put the chatty axis inside the node, the pipeline "
+    "across nodes, and data parallelism everywhere; then check that the loss is the loss of one process. "
+)
+CHARS = sorted(set(CORPUS))
+
+
+def padded_vocab(tp: int) -> int:
+    """The vocabulary rounded up to a multiple of tp: each rank owns V/tp rows (the extra rows are never a
+    target; Megatron pads to a multiple of 128*tp for fast matmuls)."""
+    return -(-len(CHARS) // tp) * tp
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab: int = len(CHARS)
+    layers: int = 4
+    hidden: int = 32
+    heads: int = 4
+    seq: int = 16
+    batch: int = 8  # the global batch, in sequences: every configuration trains on the same one
+    lr: float = 1e-2
+    seed: int = 0
+    dtype: torch.dtype = torch.float64
+
+
+def get_batch(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of `step`: windows of the corpus at deterministic offsets, targets shifted by one."""
+    data = torch.tensor([CHARS.index(c) for c in CORPUS])
+    starts = [(7 * (step * cfg.batch + i)) % (len(data) - cfg.seq - 1) for i in range(cfg.batch)]
+    windows = torch.stack([data[a:a + cfg.seq + 1] for a in starts])
+    return windows[:, :-1], windows[:, 1:]
+
+
+class Embedding(nn.Module):
+    """Token embedding (dense, or V/tp rows per rank) + a learned position embedding (replicated)."""
+
+    def __init__(self, cfg: Config, token_embedding: nn.Module, device=None):
+        super().__init__()
+        self.tokens = token_embedding
+        self.positions = nn.Parameter(0.02 * torch.randn(cfg.seq, cfg.hidden, dtype=cfg.dtype, device=device))
+
+    def forward(self, ids):
+        return self.tokens(ids) + self.positions[:ids.shape[1]]
+
+
+class Head(nn.Module):
+    """Final layer norm + LM head (dense, or V/tp output columns per rank: logits stay split)."""
+
+    def __init__(self, cfg: Config, lm_head: nn.Module, device=None):
+        super().__init__()
+        self.ln_f, self.lm_head = nn.LayerNorm(cfg.hidden, dtype=cfg.dtype, device=device), lm_head
+
+    def forward(self, x):
+        return self.lm_head(self.ln_f(x))
+
+
+def tiny_gpt(cfg: Config, tensor_parallel: bool = False, tp_group=None, device=None) -> nn.Sequential:
+    """The model, written once: embedding, cfg.layers pre-norm blocks, head. Dense layers are PyTorch's
+    own; tensor-parallel ones are mini_dist's over tp_group, with the same parameter names. A flat
+    nn.Sequential, so that the pipeline can cut it anywhere."""
+    h, kw = cfg.hidden, dict(dtype=cfg.dtype, device=device)
+    if tensor_parallel:
+        return nn.Sequential(
+            Embedding(cfg, VocabParallelEmbedding(cfg.vocab, h, group=tp_group, **kw), device),
+            *[ParallelTransformerBlock(h, cfg.heads, causal=True, group=tp_group, **kw) for _ in range(cfg.layers)],
+            Head(cfg, ColumnParallelLinear(h, cfg.vocab, bias=False, group=tp_group, **kw), device))
+    return nn.Sequential(Embedding(cfg, nn.Embedding(cfg.vocab, h, **kw), device),
+                         *[TransformerBlock(h, cfg.heads, causal=True, **kw) for _ in range(cfg.layers)],
+                         Head(cfg, nn.Linear(h, cfg.vocab, bias=False, **kw), device))
+
+
+def dense_model(cfg: Config) -> nn.Sequential:
+    torch.manual_seed(cfg.seed)  # every rank, and the single process, build the same initial model
+    return tiny_gpt(cfg)
+
+
+def train_dense(cfg: Config, steps: int) -> list[float]:
+    """The reference: one process, the dense model, the whole global batch, torch.optim.Adam."""
+    model = dense_model(cfg)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    losses = []
+    for step in range(steps):
+        ids, targets = get_batch(cfg, step)
+        loss = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@dataclass
+class Run:
+    """What one rank of a 3D run measured: the global loss per step (the same on every rank), this rank's
+    bytes per axis per step, and what its formulas need."""
+    losses: list
+    bytes: list          # per step: {"dp": .., "tp": .., "pp": ..} sent (pp, dp) or reduced (tp) by this rank
+    layout: dict         # this rank's stage: transformer blocks, embedding?, head?
+    numel: int           # parameters (elements) of this rank's shard of its stage: D = numel * e
+    local_batch: int
+    peak_live: int       # most microbatches whose activations this stage held at once (GPipe M, 1F1B <= P-s)
+
+
+def check_degrees(cfg: Config, mesh: Mesh, microbatches: int) -> None:
+    """Raised identically on every rank (everything here is known everywhere) before anyone blocks."""
+    if cfg.batch % (mesh.grid.dp * microbatches):
+        raise ValueError(f"the global batch {cfg.batch} must split into dp={mesh.grid.dp} replicas x "
+                         f"{microbatches} microbatches: choose a batch divisible by {mesh.grid.dp * microbatches}")
+    if cfg.vocab % mesh.grid.tp:
+        raise ValueError(f"vocab {cfg.vocab} is not divisible by tp={mesh.grid.tp}: use padded_vocab(tp)")
+
+
+def train_3d(cfg: Config, mesh: Mesh, steps: int, microbatches: int = 1, schedule: str = "gpipe",
+             zero: int = 0) -> Run:
+    check_degrees(cfg, mesh, microbatches)
+    P, dp, dev = mesh.grid.pp, mesh.grid.dp, device()
+    dense = dense_model(cfg)
+    model = shard_from_dense(tiny_gpt(cfg, True, mesh.tp_group, dev), dense, mesh.tp_group)
+    # Cut where the dense model would be cut: every TP rank of a stage must hold the same layers
+    sizes = balanced_split([1 + sum(p.numel() for p in layer.parameters()) for layer in dense], P)
+    stage = pipeline_stage(model, mesh.pp_group, sizes)
+    if zero:
+        optimizer = ZeroOptimizer(stage.named_parameters(), torch.optim.Adam, stage=zero, group=mesh.dp_group,
+                                  collectives="ring", lr=cfg.lr)
+    else:  # NaiveDataParallel syncs when told: once per step, after all M microbatches' backwards
+        replica = NaiveDataParallel(stage, group=mesh.dp_group, all_reduce=ring_all_reduce)
+        optimizer = torch.optim.Adam(stage.parameters(), lr=cfg.lr)
+
+    def loss_fn(logits, targets):  # the mean over a microbatch, from each rank's V/tp logits
+        return vocab_parallel_cross_entropy(logits, targets, mesh.tp_group).mean()
+    b = cfg.batch // dp
+    last = mesh.pp_rank == P - 1
+    losses, sent, peak = [], [], 0
+    for step in range(steps):
+        ids, targets = (t[mesh.dp_rank * b:(mesh.dp_rank + 1) * b].to(dev) for t in get_batch(cfg, step))
+        COUNTER.reset()
+        LEDGER.reset()
+        loss, stats = pipeline_step(stage, SCHEDULES[schedule](P, microbatches), ids, targets, loss_fn,
+                                    mesh.pp_group)
+        if not zero:
+            replica.sync_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+        sent.append({"dp": LEDGER.sent, "tp": sum(COUNTER.bytes.values()), "pp": stats.bytes_sent})
+        peak = max(peak, stats.peak_live)
+        # the replicas' mean loss, to every rank (one TP rank per last stage speaks); not counted above
+        mine = torch.tensor([loss.item() / dp if last and mesh.tp_rank == 0 else 0.0], dtype=torch.float64, device=dev)
+        dist.all_reduce(mine)
+        losses.append(mine.item())
+    layout = {"blocks": sum(isinstance(m, ParallelTransformerBlock) for m in stage),
+              "embedding": isinstance(stage[0], Embedding), "head": isinstance(stage[-1], Head)}
+    return Run(losses, sent, layout, sum(p.numel() for p in stage.parameters()), b, peak)
+
+
+def formulas(run: Run, cfg: Config, mesh: Mesh, zero: int) -> dict:
+    """What this rank should move per step, from the formulas in the docstring. DP with a plain ring
+    all-reduce is the one exception: its chunks may be uneven, so the formula holds for the sum over
+    the DP group, 2(N-1) * D (mean 2(N-1)/N * D); the caller sums over the group."""
+    e, (T, P, N) = torch.finfo(cfg.dtype).bits // 8, (mesh.grid.tp, mesh.grid.pp, mesh.grid.dp)
+    lay, s = run.layout, mesh.pp_rank
+    bs = run.local_batch * cfg.seq * e
+    bsh = bs * cfg.hidden
+    tp = (T > 1) * ((4 * lay["blocks"] + lay["embedding"] + lay["head"]) * bsh + 3 * bs * lay["head"])
+    pp = bsh * ((s < P - 1) + (s > 0)) + 8 * HEADER_LEN * (s < P - 1)
+    if zero:
+        dp = bytes_sent_formula(zero, Partition(("stage",), (torch.Size([run.numel]),), N), e)
+    else:
+        dp = 2 * (N - 1) * run.numel * e
+    return {"dp": dp, "tp": tp, "pp": pp}
+
+
+def demo() -> int:
+    parser = argparse.ArgumentParser(description="train a tiny GPT with DP x PP x TP")
+    for axis in ("dp", "pp", "tp"):
+        parser.add_argument(f"--{axis}", type=int, default=None)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2), default=0)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    env = setup()
+    world, M = env.world_size, args.microbatches
+    # degrees not given: tp 2 and pp 2 where the world allows, dp the rest
+    tp = args.tp or (2 if world % (2 * (args.pp or 1) * (args.dp or 1)) == 0 else 1)
+    pp = args.pp or (2 if world % (2 * tp * (args.dp or 1)) == 0 else 1)
+    dp = args.dp or world // (tp * pp)
+    mesh = Mesh(dp, pp, tp)
+    cfg = Config(vocab=padded_vocab(tp), batch=-(-8 // (dp * M)) * dp * M)  # >= 8, divisible by dp * M
+    print0(f"{mesh.grid.picture()}\ntiny GPT: {cfg.layers} blocks, h={cfg.hidden}, {cfg.heads} heads, "
+           f"s={cfg.seq}, V={cfg.vocab} ({len(CHARS)} chars padded to a multiple of tp), global batch "
+           f"{cfg.batch}, M={args.microbatches} {args.schedule}, {'ZeRO-%d' % args.zero if args.zero else 'DDP'}"
+           f", Adam, fp64")
+    run = train_3d(cfg, mesh, args.steps, args.microbatches, args.schedule, args.zero)
+    reference = train_dense(cfg, args.steps)
+    print0(f"{'step':>4} {'loss dp x pp x tp':>18} {'loss 1 process':>16} {'|diff|':>8}")
+    for step, (a, b) in enumerate(zip(run.losses, reference)):
+        print0(f"{step:>4} {a:>18.12f} {b:>16.12f} {abs(a - b):>8.1e}")
+    # fp64: the runs differ only in the order of their sums (TP partial sums, DP averages, microbatch
+    # sums, attention kernels): a few ulps of a loss ~3 (ulp 4.4e-16), measured <= 3.1e-15. 1e-13 leaves
+    # room and still catches any wrong gradient, which moves the next loss by ~lr = 1e-2.
+    worst = max(abs(a - b) for a, b in zip(run.losses, reference))
+    want, got = formulas(run, cfg, mesh, args.zero), run.bytes[-1]
+    if not args.zero:  # the ring's chunks may be uneven: its formula holds for the DP group's sum
+        got = dict(got, dp=_sum(got["dp"], mesh.dp_group))
+    exact = all(got[a] == want[a] for a in want)
+    total = {a: _sum(run.bytes[-1][a]) for a in want}  # over all ranks; each rank was checked on its own
+    formula = {a: _sum(want[a]) // (dp if a == "dp" and not args.zero else 1) for a in want}
+    text = {"dp": "ring " + ("3(N-1)S*e" if args.zero == 1 else "2(N-1)S*e" if args.zero else "2(N-1)/N*D"),
+            "tp": "(4L + emb + head)*bsh*e + 3bs*e", "pp": "bsh*e to each neighbour + header"}
+    print0("bytes/step, all ranks: " + " | ".join(f"{a.upper()} {total[a]:,} = {text[a]} = {formula[a]:,}"
+                                                  for a in want))
+    return conclude("train_3d", worst <= 1e-13, f"{dp}x{pp}x{tp} loss = 1 process ({worst:.0e})", exact,
+                    "bytes per axis = formulas")
+
+
+def _sum(value: int, group=None) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=device())
+    dist.all_reduce(t, group=group)
+    return int(t.item())
+
+
+if __name__ == "__main__":
+    raise SystemExit(demo())
