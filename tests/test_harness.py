@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import harness
 from harness import RankFailure, rank_generator, run
 
 
@@ -25,6 +26,12 @@ def die_on(bad_rank):
     if dist.get_rank() == bad_rank:
         os._exit(7)
     dist.all_reduce(torch.ones(1))
+
+
+def hang_on(bad_rank):
+    if dist.get_rank() == bad_rank:
+        dist.recv(torch.empty(1), src=(bad_rank + 1) % dist.get_world_size())  # nobody ever sends
+    return "done"
 
 
 def everyone_rejects():
@@ -55,9 +62,15 @@ def test_a_dying_rank_is_named_and_the_pool_recovers():
     assert run(3, rank_and_sum, 0)[2] == (2, 3.0)
 
 
+def test_a_hanging_rank_is_named_when_the_call_times_out_and_the_pool_recovers():
+    with pytest.raises(RankFailure, match=r"rank 1: no answer") as info:
+        run(2, hang_on, 1, timeout=3)
+    assert "rank 0" not in str(info.value)  # rank 0 answered; only the silent rank is named
+    assert run(2, rank_and_sum, 0) == [(0, 1.0), (1, 1.0)]
+
+
 def test_an_error_raised_by_every_rank_keeps_the_pool():
     run(2, rank_and_sum, 0)
-    import harness
     pids_before = [p.pid for p in harness._pools[2].procs]
     with pytest.raises(RankFailure, match="same bad input on every rank"):
         run(2, everyone_rejects)
