@@ -33,7 +33,7 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/ddp.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.launch import conclude, print0, setup
+from mini_dist.launch import conclude, device, print0, setup
 from mini_dist.ring_allreduce import LEDGER, ring_all_reduce
 
 
@@ -41,7 +41,7 @@ def broadcast_from_rank0(module: nn.Module, group=None) -> None:
     """Every replica starts from group rank 0's parameters and buffers (shapes checked on all ranks first)."""
     tensors = list(module.parameters()) + list(module.buffers())
     shapes = zlib.crc32(repr([(t.dtype, t.shape) for t in tensors]).encode())
-    seen = torch.tensor([shapes, -shapes])
+    seen = torch.tensor([shapes, -shapes], device=device())  # NCCL reduces only GPU tensors
     dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)  # max and -min: equal iff all agree
     if seen[0] != -seen[1]:
         raise ValueError("ranks hold models with different parameter/buffer shapes or dtypes; "

@@ -259,7 +259,7 @@ def bandwidth_table(sizes_kib: list[int]) -> list[tuple[int, float, float, float
                 fn(y)
                 if y.is_cuda:
                     torch.cuda.synchronize()
-                elapsed = torch.tensor([time.perf_counter() - start])
+                elapsed = torch.tensor([time.perf_counter() - start], device=x.device)
                 dist.all_reduce(elapsed, op=MAX)  # a collective is as slow as its slowest rank
                 if repeat:  # the first run of each size sets up buffers
                     samples.append(elapsed.item())
