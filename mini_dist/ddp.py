@@ -298,7 +298,7 @@ def demo(steps: int = 4, accumulation: int = 2, local_batch: int = 16) -> int:
     from torch.nn.parallel import DistributedDataParallel as NativeDDP
     env, cap = setup(), 0.25
     n = env.world_size
-    model = mlp([64, 256, 256, 256, 16], seed=env.rank)  # a different init per rank: the broadcast fixes it
+    model = mlp([64, 256, 256, 256, 16], seed=env.rank).to(env.device)  # different per rank: broadcast fixes it
     native = NativeDDP(copy.deepcopy(model))
     mini = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=cap)
     ring = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=cap, all_reduce=ring_all_reduce)
@@ -307,7 +307,7 @@ def demo(steps: int = 4, accumulation: int = 2, local_batch: int = 16) -> int:
     overlaps, sent = [], []
     for _ in range(steps):
         batch = list(zip(*(torch.randn(accumulation, local_batch, w, generator=g, dtype=torch.float64)
-                           for w in (64, 16))))
+                           .to(env.device) for w in (64, 16))))
         for replica, optimizer in zip((native, mini, ring), optimizers):
             LEDGER.reset()
             train_step(replica, optimizer, batch)
@@ -323,7 +323,7 @@ def demo(steps: int = 4, accumulation: int = 2, local_batch: int = 16) -> int:
     print0(f"{len(mini.buckets)} buckets (cap {cap} MiB, reverse parameter order): "
            + " | ".join(" ".join(mini.names[p] for p in b.params) for b in mini.buckets))
     D = sum(p.numel() * p.element_size() for p in mini.params)
-    sent = torch.tensor(sent)
+    sent = torch.tensor(sent, device=env.device)
     dist.all_reduce(sent)  # the ranks' ring chunks can differ by an element; their sum cannot
     print0(f"bytes per step: handed to all-reduce {mini.timeline.bytes} = D (each gradient once); ring "
            f"sent {sent[-1] / n:.0f} per rank (mean) vs 2(N-1)/N*D = {2 * (n - 1) / n * D:.0f}")
@@ -340,17 +340,19 @@ def bench(steps: int = 20, local_batch: int = 32) -> int:
     keep the median of the paired ratios: a shared, busy machine slows both sides of a pair alike."""
     from torch.nn.parallel import DistributedDataParallel as NativeDDP
     env = setup()
-    model = mlp([1024] * 11, dtype=torch.float32)
+    model = mlp([1024] * 11, dtype=torch.float32).to(env.device)
     replicas = {"native DDP": NativeDDP(copy.deepcopy(model)), "mini": DistributedDataParallel(model)}
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in replicas.items()}
     g = torch.Generator().manual_seed(env.rank)
-    batch = [(torch.randn(local_batch, 1024, generator=g), torch.randn(local_batch, 1024, generator=g))]
+    batch = [tuple(torch.randn(local_batch, 1024, generator=g).to(env.device) for _ in "xy")]
     times, overlaps = {name: [] for name in replicas}, []
     for step in range(steps + 2):  # the first two are warm-up
         for name in sorted(replicas, reverse=step % 2 == 1):
             dist.barrier()
             start = time.perf_counter()
             train_step(replicas[name], optimizers[name], batch)
+            if env.device.type == "cuda":
+                torch.cuda.synchronize()
             times[name].append(time.perf_counter() - start)
         overlaps.append(replicas["mini"].timeline.overlap())
     median = lambda xs: sorted(xs[2:])[steps // 2]
