@@ -3,7 +3,8 @@
 Everything here is integer arithmetic, so the assertions are exact (==), except a few float ratios
 (bubble, Amdahl) compared with math.isclose at 1e-12 relative: a handful of float operations, each
 rounding by at most 2^-53. Cross-checks against measurements: PyTorch's own optimizer state tensors
-(single process) and the byte ledger of mini_dist/ring_allreduce.py (multi-rank, via the harness).
+(single process) and the byte ledgers of ring_allreduce.py, ddp.py, zero.py, fsdp.py, tensor_parallel.py
+and pipeline.py (multi-rank, via the harness).
 """
 import math
 import subprocess
@@ -400,3 +401,117 @@ def test_zero_bytes_and_state_per_rank_equal_the_ledgers_of_zero_py(world, stage
         plan = Plan(dp=world, zero=stage, precision=precision)
         assert sent == sum(dp_traffic(numel, plan).values())
         assert states == model_state_bytes(shard(numel, world) * world, world, stage, precision, "adam")
+
+
+# ----------------------------------------------------------------------------- the other modules' ledgers
+
+
+def ddp_ring_ledger(widths):
+    """One mini-DDP step with the ring collective and one bucket: the bytes this rank sent."""
+    from mini_dist.ddp import DistributedDataParallel
+    from mini_dist.ring_allreduce import LEDGER, ring_all_reduce
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])]).to(device())
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1024, all_reduce=ring_all_reduce)
+    LEDGER.reset()
+    ddp(torch.randn(2, widths[0], generator=rank_generator(1)).to(device())).sum().backward()
+    return LEDGER.sent, sum(p.numel() for p in model.parameters())
+
+
+@settings(max_examples=10)
+@given(world=st.sampled_from([1, 2, 3, 4, 5]), widths=st.lists(st.integers(1, 12), min_size=2, max_size=4))
+def test_ddp_bytes_per_step_equal_the_ring_ledger_of_ddp_py(world, widths):
+    """Per rank exact with the ring's own (possibly uneven) chunks; over the group the planner's padded
+    figure, which is exact whenever K divides the gradient count."""
+    from mini_dist.ring_allreduce import chunk_bounds
+    results = run(world, ddp_ring_ledger, widths)
+    numel = results[0][1]
+    chunks = [b - a for a, b in chunk_bounds(numel, world, 4)]
+    for rank, (sent, _) in enumerate(results):
+        assert sent == ring_all_reduce_bytes_exact(chunks, rank, 4)
+    total = sum(sent for sent, _ in results)
+    assert total == 2 * (world - 1) * numel * 4
+    planned = dp_traffic(numel, Plan(dp=world, zero=0, precision="fp32"))["all_reduce"]
+    assert total <= world * planned and (numel % world or total == world * planned)
+
+
+def fsdp_ledger(widths):
+    """One FSDP step, the whole model one unit: bytes sent by its all-gathers and reduce-scatter."""
+    from mini_dist.fsdp import FullyShardedDataParallel
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])]).to(device())
+    numel = sum(p.numel() for p in model.parameters())
+    fsdp = FullyShardedDataParallel(model)
+    fsdp.ledger.reset()
+    fsdp(torch.randn(2, widths[0], generator=rank_generator(2)).to(device())).sum().backward()
+    return fsdp.ledger.sent, numel
+
+
+@settings(max_examples=10)
+@given(world=st.sampled_from([1, 2, 3, 4, 5]), widths=st.lists(st.integers(1, 12), min_size=2, max_size=4))
+def test_fsdp_bytes_per_step_equal_the_ledger_of_fsdp_py(world, widths):
+    """Gather for forward, gather again for backward, reduce-scatter: 3(K-1) shards, padding included."""
+    for sent, numel in run(world, fsdp_ledger, widths):
+        assert sent == sum(dp_traffic(numel, Plan(dp=world, zero=3, precision="fp32")).values())
+
+
+def tp_counter(b, s, h, heads, ranks):
+    """One tensor-parallel block forward and backward on a TP group: the collectives it counted."""
+    from mini_dist.tensor_parallel import COUNTER, ParallelTransformerBlock
+    from harness import subgroup
+    group = subgroup(ranks)
+    if dist.get_rank() not in ranks:
+        return None
+    block = ParallelTransformerBlock(h, heads, group=group, device=device(), dtype=torch.float32)
+    x = torch.randn(b, s, h, generator=rank_generator(3)).to(device()).requires_grad_()
+    COUNTER.reset()
+    block(x).sum().backward()
+    return dict(COUNTER.calls), dict(COUNTER.bytes)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+def test_tensor_parallel_bytes_per_layer_equal_the_counter_of_tensor_parallel_py(tp):
+    """Megatron: 2 all-reduces of b*s*h forward and 2 backward per layer; the planner's ring bytes are
+    those of 4 such all-reduces."""
+    b, s, h, heads = 2, 5, 12, 12
+    model, plan = Model(0, layers=1, hidden=h, heads=heads, seq=s), Plan(dp=1, tp=tp, micro_batch=b,
+                                                                        precision="fp32")
+    for result in run(4, tp_counter, b, s, h, heads, list(range(tp))):
+        if result is None:
+            continue
+        calls, payload = result
+        if tp == 1:  # a group of one communicates nothing
+            assert calls.get("all_reduce", 0) == 0 and planner.tp_traffic(model, plan) == 0
+            continue
+        assert calls == {"all_reduce": 4} and payload == {"all_reduce": 4 * b * s * h * 4}
+        assert 4 * collective_bytes("all_reduce", b * s * h, tp, 4) == planner.tp_traffic(model, plan)
+
+
+def pp_bytes(P, M, batch, h, name):
+    """One pipeline step over P stages of Linear(h, h): the bytes this stage sent."""
+    from mini_dist.pipeline import HEADER_LEN, SCHEDULES, pipeline_stage, pipeline_step
+    from harness import subgroup
+    group = subgroup(range(P))
+    if dist.get_rank() >= P:
+        return None
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(h, h) for _ in range(P)]).to(device())
+    stage = pipeline_stage(model, group=group)
+    x = torch.randn(batch, h).to(device())
+    _, stats = pipeline_step(stage, SCHEDULES[name](P, M), inputs=x, targets=x,
+                             loss_fn=torch.nn.functional.mse_loss, group=group)
+    return stats.bytes_sent, HEADER_LEN * 8
+
+
+@settings(max_examples=10)
+@given(P=st.integers(1, 4), M=st.sampled_from([1, 2, 4]), h=st.integers(1, 9),
+       name=st.sampled_from(["gpipe", "1f1b"]))
+def test_pipeline_bytes_per_stage_equal_the_stats_of_pipeline_py(P, M, h, name):
+    """Each stage sends M activations forward (not the last) and M gradients back (not the first);
+    the executor adds one shape header ahead of its first activation."""
+    batch = 2 * M
+    model, plan = Model(0, layers=P, hidden=h, seq=1), Plan(dp=1, pp=P, micro_batch=batch // M,
+                                                            microbatches=M, precision="fp32")
+    for stage, result in enumerate(run(4, pp_bytes, P, M, batch, h, name)[:P]):
+        sent, header = result
+        assert sent == planner.pp_traffic(model, plan, stage) + header * (stage < P - 1)
