@@ -450,6 +450,8 @@ def bench(env, width: int = 512, depth: int = 8, batch: int = 16, steps: int = 5
         start = time.perf_counter()
         for _ in range(steps):
             step()
+        if env.device.type == "cuda":  # the last step's kernels may still run: wait for them
+            torch.cuda.synchronize()
         dist.barrier()
         seconds[name], peak = (time.perf_counter() - start) / steps, peak_bytes(step, env.device)
         gathered = f"{model.ledger.peak / 2 ** 20:5.1f} MiB" if name != "fully_shard" else "  n/a"

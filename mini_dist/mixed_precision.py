@@ -196,7 +196,7 @@ def regression_problem(seed: int = 0, n: int = 32, d: int = 8):
 
 def train_regression(dtype, master: bool, steps: int = 400, lr: float = 2e-3, seed: int = 0):
     """SGD in `dtype` (with or without fp32 master weights); returns the fp32 loss after every step."""
-    X, y, w0 = regression_problem(seed)
+    X, y, w0 = (t.to(launch.device()) for t in regression_problem(seed))  # NCCL all-reduces GPU flags only
     w = w0.to(dtype).requires_grad_()
     masters = MasterWeights([w]) if master else None
     opt = torch.optim.SGD(masters.params if master else [w], lr=lr)
@@ -220,7 +220,7 @@ def train_regression(dtype, master: bool, steps: int = 400, lr: float = 2e-3, se
 
 def update_to_spacing(dtype, lr: float = 2e-3, seed: int = 0) -> float:
     """max |lr*g| / (spacing(w)/2) at the start: below 1, w - lr*g rounds back to w in `dtype`."""
-    X, y, w0 = regression_problem(seed)
+    X, y, w0 = (t.to(launch.device()) for t in regression_problem(seed))  # where train_regression runs
     w = w0.to(dtype).requires_grad_()
     F.mse_loss(X.to(dtype) @ w, y.to(dtype)).backward()
     spacing = torch.nextafter(w.detach(), torch.full_like(w.detach(), math.inf)) - w.detach()
@@ -351,6 +351,8 @@ def bench() -> int:
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
+        if env.device.type == "cuda":  # GradScaler's update is a kernel still running: wait for it
+            torch.cuda.synchronize()
         times[name] = (time.perf_counter() - start) / 20 * 1e3
     text = "  ".join(f"{k} {v:.2f} ms" for k, v in times.items())
     launch.print0(f"scale+backward+step+update per iteration, {env.world_size} ranks: {text}")

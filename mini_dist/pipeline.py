@@ -304,10 +304,16 @@ class SimulatedCompute(nn.Module):
         self.seconds = seconds
 
     def forward(self, x):
-        time.sleep(self.seconds)
+        self.compute(x, self.seconds)
         x = x.clone()
-        x.register_hook(lambda grad: time.sleep(2 * self.seconds))
+        x.register_hook(lambda grad: self.compute(grad, 2 * self.seconds))
         return x
+
+    @staticmethod
+    def compute(t, seconds):
+        if t.is_cuda:  # a kernel starts once its input has arrived; on a GPU, irecv().wait() did not block
+            torch.cuda.synchronize(t.device)
+        time.sleep(seconds)
 
 
 def against_torch(model: nn.Sequential, x, y, steps: int = 0):
@@ -330,6 +336,8 @@ def against_torch(model: nn.Sequential, x, y, steps: int = 0):
             start = time.perf_counter()
             for _ in range(steps):
                 step(x, y)
+            if x.is_cuda:  # the steps' kernels run after the host has moved on: wait for them
+                torch.cuda.synchronize()
             dist.barrier()
             times[name, who] = (time.perf_counter() - start) / max(steps, 1) * 1e3
     return worst, times
@@ -339,8 +347,8 @@ def measure(P: int, M: int, name: str, seconds: float, width: int = 64):
     """One step on sleeping stages: every stage's timeline, stage 0's peak of live microbatches, and
     whether every stage held and sent what it should (GPipe M, 1F1B min(M, P-s); a batch each way)."""
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh(), SimulatedCompute(seconds))
-                            for _ in range(P)])
-    x, y = torch.randn(4 * M, width), torch.randn(4 * M, width)
+                            for _ in range(P)]).to(device())
+    x, y = (torch.randn(4 * M, width).to(device()) for _ in "xy")
     _, stats = pipeline_step(pipeline_stage(model), SCHEDULES[name](P, M), x, y, nn.MSELoss())
     every = [None] * P
     dist.all_gather_object(every, stats)
@@ -356,8 +364,8 @@ def demo() -> int:
     torch.manual_seed(0)  # the same model and batch on every rank
     widths = [8, 32, 16, 24, 16, 32, 8, 4]
     model = nn.Sequential(*[m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.Tanh())])
-    x, y = torch.randn(48, 8, dtype=torch.float64), torch.randn(48, 4, dtype=torch.float64)
-    worst = against_torch(model.double(), x, y)[0]
+    x, y = (torch.randn(48, w, dtype=torch.float64).to(device()) for w in (8, 4))
+    worst = against_torch(model.to(device(), torch.float64), x, y)[0]
     print0(f"loss and grads, fp64: pipelined GPipe and 1F1B = torch.distributed.pipelining = one process on "
            f"the full batch, max diff {worst:.1e}")
     figure_ok, rows = True, []
@@ -380,7 +388,8 @@ def demo() -> int:
     if "--bench" in sys.argv:  # real compute: ours vs torch on the same split, timed in one run
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(2 * P)])
-        times = against_torch(model, torch.randn(256, 1024), torch.randn(256, 1024), steps=5)[1]
+        x, y = (torch.randn(256, 1024).to(device()) for _ in "xy")
+        times = against_torch(model.to(device()), x, y, steps=5)[1]
         for name in SCHEDULES:
             print0(f"bench {name:>5} P={P} M={2 * P}: " + ", ".join(
                 f"{who} {ms:.0f} ms/step" for (n, who), ms in times.items() if n == name))

@@ -518,6 +518,8 @@ def bench(b=4, s=192, h=384, steps=10) -> None:
         start = time.perf_counter()
         for _ in range(steps):
             module(mine(x)).sum().backward()
+        if x.is_cuda:  # backward's kernels may still run: wait for them
+            torch.cuda.synchronize()
         dist.barrier()
         launch.print0(f"  {name:<16} {(time.perf_counter() - start) / steps * 1e3:8.2f} ms   "
                       f"(max |out - dense| {(out - mine(reference)).abs().max():.0e})")
