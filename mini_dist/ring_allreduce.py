@@ -73,33 +73,37 @@ def _ranks(group):
     return me, n, lambda i: dist.get_global_rank(group, i) if group is not None else i
 
 
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+          torch.int32, torch.int64, torch.bool]
+OPS = [SUM, AVG, MAX, MIN, PRODUCT]
+MAX_DIMS = 8
+
+
 def _check_inputs(tensor: torch.Tensor, op, group, name: str) -> None:
-    """Every rank shares (shape, dtype, op, device ok) first, so bad input fails everywhere at once."""
-    if op not in (SUM, AVG, MAX, MIN, PRODUCT):
-        raise ValueError(f"{name}: unsupported op {op}; use SUM, AVG, MAX, MIN or PRODUCT")
-    on_right_device = tensor.device.type == ("cuda" if dist.get_backend(group) == "nccl" else "cpu")
-    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-              torch.int16, torch.int32, torch.int64, torch.bool]
-    if tensor.dim() > 8 or tensor.dtype not in dtypes:
-        raise ValueError(f"{name}: tensors of dtype {tensor.dtype} with {tensor.dim()} dims are not "
-                         f"supported; use one of {dtypes} with at most 8 dims")
-    ops = [SUM, AVG, MAX, MIN, PRODUCT]
-    meta = [tensor.dim(), *tensor.shape, *[-1] * (8 - tensor.dim()), dtypes.index(tensor.dtype),
-            ops.index(op), int(on_right_device)]
-    mine = torch.tensor(meta, dtype=torch.int64, device="cuda" if
-                        dist.get_backend(group) == "nccl" else "cpu")
+    """Every rank shares (shape, dtype, op, device ok) first, so bad input fails everywhere at once:
+    a rank that raised alone would leave the others waiting for it in the ring."""
+    dims = min(tensor.dim(), MAX_DIMS)
+    meta = [tensor.dim(), *tensor.shape[:dims], *[-1] * (MAX_DIMS - dims),
+            DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else -1, OPS.index(op) if op in OPS else -1,
+            int(tensor.device.type == device().type)]
+    mine = torch.tensor(meta, dtype=torch.int64, device=device())
     everyone = torch.empty(dist.get_world_size(group) * len(meta), dtype=torch.int64, device=mine.device)
     dist.all_gather_single(everyone, mine, group=group)
     everyone = everyone.view(-1, len(meta)).tolist()
+    describe = lambda m: f"shape {tuple(m[1:1 + min(m[0], MAX_DIMS)])} dtype {DTYPES[m[-3]]} op {OPS[m[-2]]}"
     for rank, theirs in enumerate(everyone):
-        if not theirs[-1]:
+        ndim, dtype_code, op_code, device_ok = theirs[0], *theirs[-3:]
+        if op_code < 0:
+            raise ValueError(f"{name}: rank {rank} asked for an unsupported op; use SUM, AVG, MAX, MIN or "
+                             f"PRODUCT")
+        if dtype_code < 0 or ndim > MAX_DIMS:
+            raise ValueError(f"{name}: rank {rank} passed a tensor of an unsupported dtype or more than "
+                             f"{MAX_DIMS} dims; use one of {DTYPES}")
+        if not device_ok:
             raise ValueError(f"{name}: rank {rank} passed a tensor on the wrong device for backend "
-                             f"{dist.get_backend(group)}; move it to {'cuda' if not theirs[-1] else ''}"
-                             f"the rank's own device (mini_dist.launch.device())")
-    for rank, theirs in enumerate(everyone):
+                             f"{dist.get_backend(group)}; create it on mini_dist.launch.device() "
+                             f"(cuda:LOCAL_RANK under NCCL, cpu under gloo)")
         if theirs != everyone[0]:
-            describe = lambda m: (f"shape {tuple(m[1:1 + m[0]])} dtype {dtypes[m[9]]} "
-                                  f"op {ops[m[10]]}")
             raise ValueError(f"{name}: ranks disagree: rank 0 has {describe(everyone[0])}, rank {rank} "
                              f"has {describe(theirs)}; every rank must pass the same shape, dtype and op")
     if op == AVG and not tensor.is_floating_point():

@@ -173,7 +173,9 @@ def reduce_mismatched(kind):
     elif kind == "device":
         x = torch.zeros(3, device="meta" if r == 1 else "cpu")
     elif kind == "op":
-        return ra.ring_all_reduce(torch.zeros(3), op=dist.ReduceOp.BAND)
+        return ra.ring_all_reduce(torch.zeros(3), op=dist.ReduceOp.BAND if r == 2 else ra.SUM)
+    elif kind == "dtype_unsupported":
+        return ra.ring_all_reduce(torch.zeros(3, dtype=torch.complex64 if r == 0 else torch.float32))
     elif kind == "avg_int":
         return ra.ring_all_reduce(torch.zeros(3, dtype=torch.int32), op=ra.AVG)
     else:
@@ -185,7 +187,8 @@ def reduce_mismatched(kind):
     ("shape", r"ranks disagree: rank 0 has shape \(3,\).*rank 1 has shape \(4,\)"),
     ("dtype", r"rank 1 has shape \(3,\) dtype torch.float64"),
     ("device", r"rank 1 passed a tensor on the wrong device"),
-    ("op", r"unsupported op"),
+    ("op", r"rank 2 asked for an unsupported op"),
+    ("dtype_unsupported", r"rank 0 passed a tensor of an unsupported dtype"),
     ("avg_int", r"AVG of torch.int32 tensors would round"),
     ("sizes", r"input has 5 elements, expected group size 3 x output's 2"),
 ])
