@@ -207,8 +207,11 @@ def pipeline_step(stage: nn.Module, schedule: list[list[Action]], inputs=None, t
 
     The first stage passes the whole batch `inputs`, the last `targets` and `loss_fn(output, target)` (a
     mean over its microbatch). Gradients accumulate into .grad as those of loss_fn on the whole batch.
-    Returns (the batch loss on the last stage, else None; StepStats). Sends are isends left in flight, so a
-    stage blocks only on receives: any schedule `simulate` accepts runs here without deadlock."""
+    Returns (the batch loss on the last stage, else None; StepStats). Sends are left in flight, so a
+    stage blocks only on receives: any schedule `simulate` accepts runs here without deadlock. A send is
+    posted together with the receive that follows it (batch_isend_irecv, as Megatron does): NCCL runs a
+    pair's sends and receives in order, and 1F1B's crossing "send act / recv grad" on one side and
+    "send grad / recv act" on the other would otherwise wait on each other there."""
     P, s = dist.get_world_size(group), dist.get_rank(group)
     if len(schedule) != P:
         raise ValueError(f"the schedule has {len(schedule)} stages but the pipeline group {P} ranks")
@@ -230,19 +233,29 @@ def pipeline_step(stage: nn.Module, schedule: list[list[Action]], inputs=None, t
     x_in = dict(enumerate(inputs.chunk(M))) if first else {}
     y_target = targets.chunk(M) if last else None
     out, grad_out, in_flight, loss, shape, shape_sent, stats = {}, {}, [], None, None, False, StepStats()
+    pending = []  # sends not posted yet: they go out with the next receive, or before the next compute
 
     def send(tensor, peer):  # peer, like s, is a rank of the pipeline group: stage i is its rank i
         tensor = tensor.contiguous()
         stats.bytes_sent += tensor.numel() * tensor.element_size()
-        in_flight.append((dist.isend(tensor, group=group, group_dst=peer), tensor))  # kept until sent
+        pending.append(dist.P2POp(dist.isend, tensor, group=group, group_peer=peer))
+
+    def post(recv_op=None):
+        ops = pending + ([recv_op] if recv_op else [])
+        works = dist.batch_isend_irecv(ops) if ops else []
+        in_flight.extend((w, op.tensor) for w, op in zip(works, pending))  # buffers kept until sent
+        pending.clear()
+        return works[-1] if recv_op else None
 
     def recv(tensor, peer):
-        dist.irecv(tensor, group=group, group_src=peer).wait()
+        post(dist.P2POp(dist.irecv, tensor, group=group, group_peer=peer)).wait()
         return tensor
 
     t0 = time.perf_counter()
     for op, m in schedule[s]:
         start = time.perf_counter() - t0
+        if op in ("forward", "backward"):
+            post()  # the neighbour should not wait for our compute to get what is already done
         if op == "recv_act":
             if shape is None:  # all microbatches have one shape: it travels once, in a header
                 header = recv(torch.empty(HEADER_LEN, dtype=torch.int64, device=dev), s - 1)
@@ -274,6 +287,7 @@ def pipeline_step(stage: nn.Module, schedule: list[list[Action]], inputs=None, t
         in_flight = [(work, t) for work, t in in_flight if not work.is_completed()]
         stats.peak_live = max(stats.peak_live, len(out))
         stats.events.append((op, m, start, time.perf_counter() - t0))
+    post()
     for work, _ in in_flight:
         work.wait()
     return loss, stats
