@@ -29,6 +29,19 @@ STEPS = 3
 BATCH = 3
 
 
+def gathered_batches(data, group=None):
+    """Every rank's (x, y) batches concatenated in rank order: what one process training on all K*B
+    samples sees (the same mean loss, one big sum)."""
+    K = dist.get_world_size(group)
+    full = []
+    for pair in data:
+        gathered = [torch.empty(K * t.shape[0], *t.shape[1:], dtype=t.dtype, device=t.device) for t in pair]
+        for out, local in zip(gathered, pair):
+            dist.all_gather_single(out, local, group=group)
+        full.append(tuple(gathered))
+    return full
+
+
 def build(width, hidden, tied=False, seed=0, dtype=torch.float64, frozen=()):
     """Linear -> Blocks -> Linear; the outer Linears (tied if asked) are the root's leftovers."""
     torch.manual_seed(seed)
@@ -94,13 +107,7 @@ def train_three_ways(width, hidden, mask, tied, opt, reshard, prefetch, param_dt
     native_losses = train(native, make_optimizer(opt, native.parameters()), data)
     native_params = {n: p.full_tensor() for n, p in native.named_parameters()}  # collective: all ranks
 
-    K = dist.get_world_size()
-    everyone = [torch.empty(K * BATCH, width, dtype=dtype, device=device()) for _ in range(2)]
-    full_batches = []
-    for x, y in data:  # one process sees all K*B samples: the same mean loss, one big sum
-        for out, local in zip(everyone, (x, y)):
-            dist.all_gather_single(out, local)
-        full_batches.append((everyone[0].clone(), everyone[1].clone()))
+    full_batches = gathered_batches(data)
     single = build(width, hidden, tied, dtype=dtype)  # trained on rank 0 only, in fp64 only
     single_losses = train(single, make_optimizer(opt, single.parameters()), full_batches) \
         if param_dtype is None and dist.get_rank() == 0 else None
@@ -285,12 +292,7 @@ def train_on_a_subgroup(ranks):
     data = batches(4, seed=4, dtype=torch.float64)
     losses = train(ours, make_optimizer("sgd", ours.parameters()), data)
     params = ours.full_state_dict()
-    everyone = [torch.empty(len(ranks) * BATCH, 4, dtype=torch.float64, device=device()) for _ in range(2)]
-    full_batches = []
-    for x, y in data:
-        for out, local in zip(everyone, (x, y)):
-            dist.all_gather_single(out, local, group=group)
-        full_batches.append((everyone[0].clone(), everyone[1].clone()))
+    full_batches = gathered_batches(data, group)
     single = build(4, (3, 6), seed=3)
     single_losses = train(single, make_optimizer("sgd", single.parameters()), full_batches)
     return losses, params, single_losses, {n: p.detach() for n, p in single.named_parameters()}
