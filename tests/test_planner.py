@@ -374,12 +374,17 @@ def test_ring_bytes_per_rank_equal_the_ledger_of_ring_allreduce(world, numel, dt
     assert sum(r[0][0] for r in results) == 2 * (world - 1) * numel * elem
 
 
+def linear_stack(widths):
+    """The same small model on every rank (seeded): Linear layers of the given widths."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+
+
 def zero_ledgers(stage, sizes, dtype):
     """One ZeroOptimizer step with ring collectives: bytes sent, and the memory ledger after it."""
     from mini_dist.ring_allreduce import LEDGER
     from mini_dist.zero import ZeroOptimizer, memory_ledger
-    torch.manual_seed(0)  # the same model on every rank
-    model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])]).to(dtype)
+    model = linear_stack(sizes).to(dtype)
     opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=stage, collectives="ring")
     model(torch.randn(3, sizes[0], generator=rank_generator(stage)).to(dtype)).float().sum().backward()
     LEDGER.reset()
@@ -410,8 +415,7 @@ def ddp_ring_ledger(widths):
     """One mini-DDP step with the ring collective and one bucket: the bytes this rank sent."""
     from mini_dist.ddp import DistributedDataParallel
     from mini_dist.ring_allreduce import LEDGER, ring_all_reduce
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])]).to(device())
+    model = linear_stack(widths).to(device())
     ddp = DistributedDataParallel(model, bucket_cap_mb=1024, all_reduce=ring_all_reduce)
     LEDGER.reset()
     ddp(torch.randn(2, widths[0], generator=rank_generator(1)).to(device())).sum().backward()
@@ -438,8 +442,7 @@ def test_ddp_bytes_per_step_equal_the_ring_ledger_of_ddp_py(world, widths):
 def fsdp_ledger(widths):
     """One FSDP step, the whole model one unit: bytes sent by its all-gathers and reduce-scatter."""
     from mini_dist.fsdp import FullyShardedDataParallel
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])]).to(device())
+    model = linear_stack(widths).to(device())
     numel = sum(p.numel() for p in model.parameters())
     fsdp = FullyShardedDataParallel(model)
     fsdp.ledger.reset()
