@@ -1,14 +1,40 @@
 #!/usr/bin/env bash
 # mini_dist's one entry point. On a fresh machine it creates .venv and installs requirements.txt
 # (again only when that file changes), then:
-#   ./run.sh                       the tour: every demo under torchrun, then a summary table
-#   ./run.sh test [--gpu] [args]   the pytest suite (--gpu: NCCL ranks, one GPU each; args go to pytest)
-#   ./run.sh demo MODULE [NPROC]   one demo (NPROC defaults to 4; extra args go to the module)
-#   ./run.sh bench [NPROC]         every module's benchmark against its PyTorch reference
+#   ./run.sh                            the tour: every demo under torchrun, then a summary table
+#   ./run.sh test [--gpu] [ARGS]        the pytest suite (--gpu: NCCL ranks, one GPU each; ARGS go to pytest)
+#   ./run.sh demo MODULE [NPROC] [ARGS] one demo on NPROC ranks (default 4; ARGS go to the demo, try --help)
+#   ./run.sh bench [NPROC] [NAMES]      benchmarks against PyTorch's own implementations (default: all)
 set -euo pipefail
 cd "$(dirname "$0")"
 
-MODULES=(launch ring_allreduce ddp zero fsdp tensor_parallel vocab_parallel pipeline mixed_precision mesh train_3d planner)
+# The tour: module, ranks, arguments.
+TOUR=(
+  "launch 4"
+  "ring_allreduce 4"
+  "topology 4 --ranks-per-node 2"
+  "comm 4"
+  "ddp 4"
+  "compression 4"
+  "zero 4"
+  "sharded_state 4"
+  "fsdp 4"
+  "checkpoint 4"
+  "mixed_precision 1"
+  "loss_scaling 4"
+  "activation_checkpoint 1"
+  "tensor_parallel 4"
+  "parallel_transformer 4"
+  "vocab_parallel 4"
+  "context_parallel 4"
+  "expert_parallel 4"
+  "pipeline_schedules 4"
+  "pipeline 4"
+  "pipeline_bubble 4"
+  "mesh 4 --dp 2 --tp 2"
+  "train_3d 8 --dp 2 --pp 2 --tp 2"
+  "planner 1"
+)
 
 setup() {
   local python=${PYTHON:-python3}
@@ -23,24 +49,57 @@ setup() {
   fi
 }
 
+# torchrun with its own report kept out of the way of a usage error: every rank of a demo that cannot
+# run its configuration exits with status 2 after rank 0 printed one "error:" line; torchrun would then
+# add a 40-line report about the exit codes, which says nothing more. Other failures keep everything.
+# (The ranks' stderr is shown when the run ends; their stdout as it comes.)
+launch() {
+  local ranks=$1 cores err status=0
+  shift
+  # torchrun warns (once per run) and sets 1 thread per rank when OMP_NUM_THREADS is unset: share the
+  # cores among the ranks ourselves
+  cores=$(nproc)
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / ranks > 1 ? cores / ranks : 1 ))}
+  err=$(mktemp)
+  trap 'cat "$err" >&2; rm -f "$err"' INT TERM
+  .venv/bin/torchrun --standalone --nproc_per_node="$ranks" "$@" 2>"$err" || status=$?
+  trap - INT TERM
+  # torchrun itself exits 1 whatever its ranks' codes were; its report names the first code seen
+  if [ "$status" -ne 0 ] && grep -q 'exitcode *: 2 ' "$err" && grep -q '^[a-z_0-9.]*: error: ' "$err"; then
+    grep '^[a-z_0-9.]*: error: ' "$err" | sort -u >&2
+    status=2
+  else
+    cat "$err" >&2
+  fi
+  rm -f "$err"
+  return "$status"
+}
+
+modules() { ls mini_dist/*.py | sed 's|mini_dist/||; s|\.py$||' | grep -v '^_' | tr '\n' ' '; }
+
 demo() {
-  local module=$1 nproc=${2:-4}
-  shift $(( $# < 2 ? $# : 2 ))
-  [ -f "mini_dist/$module.py" ] || { echo "no such module: mini_dist/$module.py" >&2; return 2; }
+  local module=${1:-} nproc=4
+  [ -n "$module" ] && [ -f "mini_dist/$module.py" ] && [ "${module#_}" = "$module" ] || {
+    echo "./run.sh demo: no module '${module}'; choose one of: $(modules)" >&2; return 2; }
+  shift
+  if [[ "${1:-}" =~ ^[0-9]+$ ]]; then nproc=$1; shift; fi  # a number is the rank count, anything else a flag
   if [ "$module" = planner ]; then
     .venv/bin/python -m mini_dist.planner "$@"
+  elif [[ " $* " =~ \ (-h|--help)\  ]]; then  # help needs no ranks
+    .venv/bin/python "mini_dist/$module.py" "$@"
   else
-    .venv/bin/torchrun --standalone --nproc_per_node="$nproc" "mini_dist/$module.py" "$@"
+    launch "$nproc" "mini_dist/$module.py" "$@"
   fi
 }
 
 tour() {
-  local log status=0 failed=()
+  local log status=0 failed=() entry
   log=$(mktemp)
-  for module in "${MODULES[@]}"; do
-    [ -f "mini_dist/$module.py" ] || continue
-    echo; echo "=== $module ==="
-    if ! demo "$module" 4 2>&1 | tee -a "$log"; then failed+=("$module"); status=1; fi
+  for entry in "${TOUR[@]}"; do
+    set -- $entry
+    [ -f "mini_dist/$1.py" ] || continue
+    echo; echo "=== $entry ==="
+    if ! demo "$@" 2>&1 | tee -a "$log"; then failed+=("$1"); status=1; fi
   done
   echo; echo "=== summary ==="
   printf '%-16s | %-40s | %s\n' module "check vs PyTorch" "measured figure vs formula"
@@ -61,12 +120,10 @@ case "${1:-tour}" in
     .venv/bin/python -m pytest -q tests "$@" ;;
   demo) shift; demo "$@" ;;
   bench)
-    nproc=${2:-4} status=0
-    for module in "${MODULES[@]}"; do
-      [ -f "mini_dist/$module.py" ] && grep -q -- '--bench' "mini_dist/$module.py" || continue
-      echo; echo "=== bench $module ==="
-      demo "$module" "$nproc" --bench || { echo "bench $module missed its target"; status=1; }
-    done
-    exit $status ;;
-  *) sed -n '2,8p' "$0"; exit 2 ;;
+    shift
+    nproc=4
+    if [[ "${1:-}" =~ ^[0-9]+$ ]]; then nproc=$1; shift; fi
+    launch "$nproc" -m mini_dist.bench "$@" ;;
+  -h|--help|help) sed -n '2,7p' "$0" ;;
+  *) echo "./run.sh: unknown command '$1'" >&2; sed -n '2,7p' "$0" >&2; exit 2 ;;
 esac

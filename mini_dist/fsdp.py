@@ -1,40 +1,42 @@
 """Fully sharded data parallel (ZeRO-3): a unit's parameters exist in full only while it computes.
 
-DDP keeps the whole model on every rank; ZeRO stage 3 (Rajbhandari et al., 2020, P_os+g+p) shards the
-parameters themselves, not only optimizer state and gradients. FSDP groups the parameters into *units*
-(a transformer block, say; the root takes whatever is left), flattens each unit into one vector padded
-to K*S elements (S = ceil(numel / K)) and keeps only shard r on rank r. Around each unit:
+DDP keeps the whole model on every rank; ZeRO stage 3 (Rajbhandari et al., 2020) shards the parameters
+themselves. FSDP (Zhao et al., 2023) groups them into *units* -- by default each child block of the wrapped
+module; the root takes what is left -- flattens each unit into one vector padded to K*S elements
+(S = ceil(numel / K)) and keeps only shard r on rank r. Around each unit:
 
-    forward:   all-gather the unit -> run it -> free it               (reshard_after_forward=True)
+    forward:   all-gather the unit -> run it -> free it
     backward:  all-gather it again -> backward -> reduce-scatter its gradient (rank r keeps shard r) -> free
-    step:      any torch.optim optimizer, on the shards only
+    step:      any torch.optim optimizer, on this rank's slices of the parameters only
 
-Why gather twice? Backward needs the weights again (dL/dx = dL/dy W). Keeping them from forward to
-backward (reshard_after_forward=False, the ZeRO-2-like trade) saves one all-gather but holds every unit
-at the turn. The root is resharded too (FSDP2 keeps it, as backward needs it at once), so every unit
-costs exactly 2 all-gathers + 1 reduce-scatter. Per rank per step, N parameters (padded) of B bytes:
+Backward needs the weights again (dL/dx = dL/dy W): gathering twice is the price of holding one unit at a
+time (reshard_after_forward=False keeps them: one gather fewer, every unit alive at the turn). Per rank
+per step, K ranks, N parameters of B bytes (N' = the units' padded sizes K*S, summed):
 
-    memory   N/K  +  gathered units (root + 1 unit, root + 2 with prefetch)   vs DDP  N
-    traffic  all-gather + all-gather + reduce-scatter = 3 (K-1)/K N B         vs DDP  2 (K-1)/K N B
+    memory   N'/K + root + 1 unit (naive)  or  N'/K + root + 2 units (prefetch)     vs DDP  N
+    traffic  all-gather + all-gather + reduce-scatter = 3 (K-1)/K N' B             vs DDP  2 (K-1)/K N B
 
-prefetch=True starts the next unit's all-gather (async) before the current unit computes, in forward
-and backward order. param_dtype=torch.bfloat16 computes and communicates in half while the shards and
-their gradients stay fp32. `ledger` records every collective with the bytes this rank sends and the bytes
-of full parameters alive, read from the storages themselves, with their peak.
+Naive (prefetch=False): a unit's all-gather starts when the unit is needed, and compute waits for it.
+Optimized (prefetch=True): the next unit's all-gather starts (async) before the current unit computes, in
+forward and in backward order, so communication hides behind compute for the price of one more unit.
 
-Collectives are native (all_gather_single, reduce_scatter_single): prefetch needs async_op to overlap a
-gather with compute, which the blocking ring functions cannot. The ledger counts what a bandwidth-optimal
-ring sends, (K-1) * S * B per collective; tests/test_fsdp.py checks that count against the bytes
-mini_dist.ring_allreduce's LEDGER measures on the same buffers.
+named_parameters() yields the module's own names, each bound to this rank's slice of that parameter (a
+1-D view of the shard, see flat_param.py) with its own .grad: optimizers, clipping and loops over
+parameters work unchanged. Mixed precision is a policy per unit, as one fully_shard call per unit:
+param_dtype=torch.bfloat16 (or torch.float16, which may need loss scaling: mixed_precision.py) gathers
+and computes in half while shards and gradients keep the parameters' dtype; wrap={Block: torch.bfloat16,
+nn.LayerNorm: torch.float32} keeps norms in fp32. A unit casts its floating inputs to its param_dtype.
+State dicts: full_state_dict(to=rank, or None for every rank); sharded_state_dict() for checkpoints.
 
-    torchrun --standalone --nproc_per_node=4 mini_dist/fsdp.py [--bench]
+`ledger` records each collective with the bytes a bandwidth-optimal ring sends, (K-1) S B, and the bytes of
+full parameters alive (read from the storages), with their peak. The collectives are torch's own
+all_gather_single and reduce_scatter_single: prefetch needs async_op to overlap a gather with compute.
 
-Mirrors torch.distributed.fsdp.fully_shard (FSDP2), with FSDP1's one flat parameter per unit.
+    torchrun --standalone --nproc_per_node=4 mini_dist/fsdp.py [--depth 6 --width 256]
+
+Mirrors torch.distributed.fsdp.fully_shard (FSDP2), with FSDP1's flat parameter per unit.
 """
-import ctypes
 import sys
-import threading
-import time
 from functools import partial
 from pathlib import Path
 
@@ -45,19 +47,18 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 if not __package__:  # run as `torchrun mini_dist/fsdp.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import ring_allreduce  # noqa: E402
-from mini_dist.launch import conclude, print0, setup  # noqa: E402
-
+from mini_dist import bench, flat_param, launch  # noqa: E402
 
 class Ledger:
-    """One rank's events since reset() (phase, unit, what, bytes sent, gathered bytes after), and the peak."""
+    """One rank's events since reset(): (phase, unit, what, bytes sent, gathered bytes after), and the peak."""
 
     def __init__(self):
         self.events, self.gathered, self.peak = [], 0, 0  # gathered: bytes of full parameters alive now
 
-    def record(self, phase: str, unit: str, what: str, sent: int, gathered: int) -> None:
-        self.events.append((phase, unit, what, sent, gathered))
-        self.gathered, self.peak = gathered, max(self.peak, gathered)
+    def record(self, *event) -> None:
+        self.events.append(event)
+        self.gathered = event[4]
+        self.peak = max(self.peak, self.gathered)
 
     def reset(self) -> None:
         self.events, self.peak = [], self.gathered
@@ -70,56 +71,21 @@ class Ledger:
         return sum(e[3] for e in self.events)
 
 
-class FlatParameter:
-    """One unit's parameters as one vector of K*S elements; rank r owns elements [r*S, (r+1)*S)."""
-
-    def __init__(self, name, names, params, slots, world, param_dtype):
-        self.name, self.names, self.slots = name, names, slots  # slots: (module, attr, index of param)
-        self.shapes, self.numels = [p.shape for p in params], [p.numel() for p in params]
-        self.numel, self.shard_numel, self.world = sum(self.numels), -(-sum(self.numels) // world), world
-        dtype, device, trainable = params[0].dtype, params[0].device, params[0].requires_grad
-        self.shard = nn.Parameter(torch.empty(self.shard_numel, dtype=dtype, device=device), trainable)
-        self.full = torch.empty(world * self.shard_numel, dtype=param_dtype or dtype, device=device)
-        self.full.requires_grad_(trainable).untyped_storage().resize_(0)  # allocated only when gathered
-        self.work = None  # (async all-gather, its input) while a gather is in flight
-
-    def flatten(self, tensors) -> torch.Tensor:
-        """The unit's tensors in one zero-padded vector of K*S elements (padding keeps shards equal)."""
-        flat = torch.zeros(self.world * self.shard_numel, dtype=tensors[0].dtype, device=tensors[0].device)
-        torch.cat([t.reshape(-1) for t in tensors], out=flat[:self.numel])
-        return flat
-
-    @property
-    def gathered(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0
-
-    def attach_views(self) -> None:
-        """Point each module attribute at its slice of the gathered vector (with autograd, if enabled)."""
-        views = self.full[:self.numel].split(self.numels)
-        for module, attr, i in self.slots:
-            setattr(module, attr, views[i].view(self.shapes[i]))
-
-
 class FullyShardedDataParallel(nn.Module):
-    """Wrap `module`; `wrap` names the units: module classes (every Block) or the submodules themselves.
+    """Wrap `module`. `wrap` names the units: None (each child of `module`), module classes, submodules,
+    or a dict from those to the unit's own param_dtype. The root unit keeps the parameters left over."""
 
-    The optimizer gets `.parameters()`: one shard per unit, in the parameters' own dtype. prefetch=False
-    is the naive schedule, in which every all-gather starts only when its unit is needed and it waits.
-    """
-
-    def __init__(self, module: nn.Module, wrap=(), group=None, reshard_after_forward: bool = True,
+    def __init__(self, module: nn.Module, wrap=None, group=None, reshard_after_forward: bool = True,
                  prefetch: bool = True, param_dtype: torch.dtype | None = None):
         super().__init__()
-        if param_dtype is not None and not param_dtype.is_floating_point:
-            raise ValueError(f"param_dtype must be a floating dtype (torch.bfloat16), not {param_dtype}")
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         if self.rank < 0:
             raise ValueError("this rank is not in `group`: build FullyShardedDataParallel on its ranks only")
-        self.module, self.group, self.param_dtype = module, group, param_dtype
+        self.module, self.group = module, group
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.ledger, self._finished, self._callback_queued = Ledger(), [], False
-        self.units, modules, initial = self._flatten(module, _pick_units(module, wrap), param_dtype)
-        self.shards = nn.ParameterList([u.shard for u in self.units])  # all the optimizer will see
+        units = flat_param.pick_units(module, wrap, param_dtype)
+        self.units, modules, initial = flat_param.flatten_units(module, units, self.rank, self.world)
         self.load_full_state_dict(initial if self.rank == 0 else None)  # rank 0's values win, as in DDP
         for unit, m in zip(self.units, modules):
             m.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True)
@@ -127,77 +93,58 @@ class FullyShardedDataParallel(nn.Module):
             if unit.full.requires_grad:
                 unit.full.register_post_accumulate_grad_hook(partial(self._reduce_scatter, unit))
 
-    def _flatten(self, root, unit_modules, param_dtype):
-        """Each parameter goes to the innermost unit around it; each unit with parameters -> FlatParameter."""
-        names = {id(p): n for n, p in root.named_parameters()}
-        module_names = {id(m): n or "root" for n, m in root.named_modules()}
-        found = {id(m): [] for m in unit_modules}
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The wrapped module's names, each bound to this rank's slice of that parameter (see the top)."""
+        for unit in self.units:
+            yield from ((f"{prefix}.{n}" if prefix else n, p) for n, p in zip(unit.names, unit.params))
 
-        def visit(m, unit):
-            unit = m if id(m) in found else unit
-            found[id(unit)].extend((m, attr, p) for attr, p in m._parameters.items() if p is not None)
-            for child in m.children():
-                visit(child, unit)
-        visit(root, root)
-        units, modules, initial, owner = [], [], {}, {}
-        for m in unit_modules:
-            params = list({id(p): p for _, _, p in found[id(m)]}.values())  # tied parameters once
-            for p in params:
-                if owner.setdefault(id(p), m) is not m:
-                    raise ValueError(f"parameter {names[id(p)]} is shared by units {module_names[id(m)]} and "
-                                     f"{module_names[id(owner[id(p)])]}: wrap a module holding both users")
-            if not params:
-                continue
-            if len({(p.dtype, p.requires_grad, p.device) for p in params}) > 1:
-                raise ValueError(f"unit {module_names[id(m)]} mixes parameter dtypes, devices or frozen and "
-                                 f"trainable parameters: one flat parameter needs one kind; wrap them apart")
-            index = {id(p): i for i, p in enumerate(params)}
-            units.append(FlatParameter(module_names[id(m)], [names[id(p)] for p in params], params,
-                                       [(sub, attr, index[id(p)]) for sub, attr, p in found[id(m)]],
-                                       self.world, param_dtype))
-            modules.append(m)
-            initial.update({names[id(p)]: p.detach() for p in params})
-            for sub, attr, _ in found[id(m)]:
-                del sub._parameters[attr]  # the module keeps no full copy: only views, set in forward
-        return units, modules, initial
+    # ----- the collectives, each recorded in the ledger, and named when one fails
 
-    # ----- the collectives, each recorded in the ledger
+    def _collective(self, unit, what: str, run):
+        """A rank that died or timed out surfaces here, often inside loss.backward(): say where we were."""
+        try:
+            return run()
+        except RuntimeError as e:
+            raise RuntimeError(f"FSDP unit {unit.name!r}: {what} failed on rank {dist.get_rank()}: {e} "
+                               f"(the first rank to fail says why in its own log)") from e
 
-    def _record(self, phase: str, unit: FlatParameter, what: str, piece: torch.Tensor | None = None) -> None:
-        """piece: what a ring sends per step, one shard; a collective of K ranks sends K-1 of them."""
-        sent = 0 if piece is None else (self.world - 1) * piece.nbytes
+    def _record(self, phase: str, unit, what: str, piece: torch.Tensor | None = None) -> None:
+        sent = 0 if piece is None else (self.world - 1) * piece.nbytes  # a ring sends K-1 pieces of a shard
         gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)
         self.ledger.record(phase, unit.name, what, sent, gathered)
 
-    def _gather(self, unit: FlatParameter, phase: str, wait: bool = True) -> None:
+    def _gather(self, unit, phase: str, wait: bool = True) -> None:
         """All-gather the unit's full vector into its re-allocated storage (left in flight unless wait)."""
         if not unit.gathered:
             full = unit.full
             full.untyped_storage().resize_(full.nbytes)
-            shard = unit.shard.detach().to(full.dtype)  # in param_dtype: half the bytes on the wire
+            shard = unit.shard.to(full.dtype)  # in param_dtype: half the bytes on the wire
             # .data: autograd saved views of `full` in forward and checks they were not rewritten in
             # place; we refill the very values they held, so the write must not bump the version.
-            unit.work = (dist.all_gather_single(full.data, shard, group=self.group, async_op=True), shard)
+            unit.work = (self._collective(unit, f"all-gather for {phase}", lambda: dist.all_gather_single(
+                full.data, shard, group=self.group, async_op=True)), shard)
             self._record(phase, unit, "all-gather", shard)
         if wait and unit.work is not None:
-            unit.work[0].wait()
+            self._collective(unit, f"all-gather for {phase}", unit.work[0].wait)
             unit.work = None
 
-    def _free(self, unit: FlatParameter, phase: str) -> None:
+    def _free(self, unit, phase: str) -> None:
         if unit.gathered:
             self._gather(unit, phase)  # a prefetch still in flight must land before its buffer goes
             unit.full.untyped_storage().resize_(0)
             self._record(phase, unit, "free")
 
-    def _reduce_scatter(self, unit: FlatParameter, full: torch.Tensor) -> None:
-        """Runs once autograd has put the unit's full gradient in full.grad: rank r keeps the average
-        over ranks of shard r of it, in the shard's own (fp32) dtype, and the gathered unit goes."""
+    def _reduce_scatter(self, unit, full: torch.Tensor) -> None:
+        """Once autograd has put the unit's full gradient in full.grad: rank r keeps the average over
+        ranks of shard r of it (SUM then / K: gloo has no AVG), in the shard's dtype; the unit goes."""
         grad, full.grad = full.grad, None
         out = torch.empty(unit.shard_numel, dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_single(out, grad, group=self.group)  # SUM, then / K: works on every backend
+        self._collective(unit, "reduce-scatter of its gradient",
+                         lambda: dist.reduce_scatter_single(out, grad, group=self.group))
         self._record("backward", unit, "reduce-scatter", out)
         out = out.div_(self.world).to(unit.shard.dtype)
-        unit.shard.grad = out if unit.shard.grad is None else unit.shard.grad.add_(out)
+        for p, g in zip(unit.params, unit.pieces(out)):  # each slice's .grad: a view of the flat gradient
+            p.grad = g if p.grad is None else p.grad.add_(g)
         self._free(unit, "backward")
 
     # ----- the hooks: forward pre/post on each unit, pre-backward on its outputs (post: _reduce_scatter)
@@ -206,7 +153,7 @@ class FullyShardedDataParallel(nn.Module):
         self._finished = []  # the order units finish forward, reversed, is the order of their backward
         return self.module(*args, **kwargs)
 
-    def _before_compute(self, unit: FlatParameter, phase: str, order: list) -> None:
+    def _before_compute(self, unit, phase: str, order: list) -> None:
         """Gather the unit and wait; with prefetch, first start the gather of the unit after it in order."""
         self._gather(unit, phase)
         following = order[order.index(unit) + 1:] if unit in order else []
@@ -217,10 +164,8 @@ class FullyShardedDataParallel(nn.Module):
     def _pre_forward(self, unit, module, args, kwargs):
         self._before_compute(unit, "forward", self.units)
         unit.attach_views()
-        if self.param_dtype is not None:
-            cast = lambda t: t.to(self.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t
-            args, kwargs = tree_map(cast, (args, kwargs))
-        return args, kwargs
+        cast = lambda t: t.to(unit.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t
+        return tree_map(cast, (args, kwargs)) if unit.param_dtype is not None else (args, kwargs)
 
     def _post_forward(self, unit, module, args, output):
         self._finished.append(unit)
@@ -243,55 +188,27 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self.units:
             self._free(unit, "backward")
 
-    # ----- full state dicts, for saving and for comparing with an unsharded model
+    # ----- state dicts (mini_dist/flat_param.py): whole tensors, or this rank's slices for a checkpoint
 
-    def full_state_dict(self) -> dict:
-        """Every parameter at full size, gathered from the shards onto group rank 0 ({} on the others)."""
-        state = {}
-        for unit in self.units:
-            pieces = [torch.empty_like(unit.shard) for _ in range(self.world)] if self.rank == 0 else None
-            dist.gather(unit.shard.detach(), pieces, group=self.group, group_dst=0)
-            if self.rank == 0:
-                flat = torch.cat(pieces)[:unit.numel].split(unit.numels)
-                state.update({n: t.view(s).clone() for n, t, s in zip(unit.names, flat, unit.shapes)})
-        return state
+    def full_state_dict(self, to: int | None = 0) -> dict:
+        """Collective: whole parameters on group rank `to` ({} elsewhere), or on every rank with to=None."""
+        return flat_param.full_state_dict(self.units, to, self.group)
 
     def load_full_state_dict(self, state: dict | None) -> None:
-        """Group rank 0's full state dict (others may pass None) -> every rank's shards. Every rank must
-        have built the same units and the dict must fit them, or the scatters would pair up wrong and
-        hang: all ranks learn both answers from one all-gather and raise the same error."""
-        wrong = [f"{n} (want shape {tuple(s)})" for u in self.units for n, s in zip(u.names, u.shapes)
-                 if n not in state or tuple(state[n].shape) != tuple(s)] if self.rank == 0 else []
-        everyone = [None] * self.world
-        dist.all_gather_object(everyone, ([(u.name, u.numel, str(u.shard.dtype)) for u in self.units], wrong),
-                               group=self.group)
-        units = [theirs for theirs, _ in everyone]
-        bad = [r for r, theirs in enumerate(units) if theirs != units[0]]
-        if bad:
-            raise ValueError(f"ranks {bad} built other units than rank 0 ({units[0]} vs {units[bad[0]]}): "
-                             f"every rank must build the same module, same wrap")
-        if everyone[0][1]:
-            raise ValueError(f"state dict lacks or misshapes: {', '.join(everyone[0][1])}")
-        for unit in self.units:
-            flat = unit.flatten([state[n].to(unit.shard) for n in unit.names]) if self.rank == 0 else None
-            dist.scatter(unit.shard.detach(), list(flat.chunk(self.world)) if self.rank == 0 else None,
-                         group=self.group, group_src=0)
+        """Collective: group rank 0's full state dict (the others may pass None) -> every rank's shard."""
+        flat_param.load_full_state_dict(self.units, state, self.group)
+
+    def sharded_state_dict(self) -> dict:
+        """{name: (this rank's 1-D slice, Slice(shape, start, stop))}; with optimizer.state_dict() on the
+        same rank, all a checkpoint needs. No communication."""
+        return flat_param.sharded_state_dict(self.units)
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Collective: each rank loads its own sharded_state_dict() (same world size and wrap)."""
+        flat_param.load_sharded_state_dict(self.units, state, self.group)
 
 
-def _pick_units(root: nn.Module, wrap) -> list[nn.Module]:
-    """[root, *units in module order]: the order forward prefetches in."""
-    if isinstance(wrap, type) or wrap and isinstance(wrap, tuple) and isinstance(wrap[0], type):
-        return [root] + [m for m in root.modules() if m is not root and isinstance(m, wrap)]
-    wanted = list(wrap)
-    inside = [m for m in root.modules() if m is not root and any(m is w for w in wanted)]
-    if len(inside) != len({id(w) for w in wanted if w is not root}):
-        raise ValueError("wrap names a module that is not inside the wrapped module: pass its submodules "
-                         "(or their classes)")
-    return [root] + inside
-
-
-# ----------------------------------------------------------------------------- demo and --bench
-
+# ----------------------------------------------------------------------------- demo
 
 class Block(nn.Module):
     """A residual MLP standing in for a transformer block: the unit FSDP gathers and frees whole."""
@@ -327,24 +244,10 @@ def train_step(model, optimizer, x, y) -> float:
     return loss.item()
 
 
-def check_against_fully_shard(env, steps: int = 3) -> float:
-    """fp64 Adam on the same per-rank data: the largest difference in losses and gathered parameters."""
-    g = torch.Generator().manual_seed(env.rank)
-    data = [torch.randn(2, 4, 6, generator=g, dtype=torch.float64).to(env.device) for _ in range(steps)]
-    ours, native = (make_model(6, 10, 3, torch.float64, env.device, native=n) for n in (False, True))
-    losses = []
-    for m in (ours, native):
-        optimizer = torch.optim.Adam(m.parameters(), lr=0.01)
-        losses.append([train_step(m, optimizer, x, y) for x, y in data])
-    native_params = {n: p.full_tensor() for n, p in native.named_parameters()}
-    return max([abs(a - b) for a, b in zip(*losses)] +
-               [(p - native_params[n]).abs().max().item() for n, p in ours.full_state_dict().items()])
-
-
 def timeline(ledger: Ledger, names: list[str]) -> str:
     """A row per unit, a column per event; '=' while the unit is gathered, '.' while only its shard is."""
     symbol = {"all-gather": "G", "compute": "C", "reduce-scatter": "R", "free": "F"}
-    rows, alive, phase = {n: f"  {n:>6} " for n in names}, dict.fromkeys(names, False), "forward"
+    rows, alive, phase = {n: f"  {n:>5} " for n in names}, dict.fromkeys(names, False), "forward"
     for step_phase, unit, what, *_ in ledger.events:
         if step_phase != phase:
             phase, rows = step_phase, {n: r + "|" for n, r in rows.items()}
@@ -354,112 +257,62 @@ def timeline(ledger: Ledger, names: list[str]) -> str:
     return "\n".join(rows.values())
 
 
-def one_step(env, reshard: bool):
-    """Forward and backward through 6 Blocks whose unit sizes K does not divide; gathered B after forward."""
-    fsdp = make_model(30, 97, 6, torch.float32, env.device, reshard_after_forward=reshard)
-    x = torch.randn(8, 30, generator=torch.Generator().manual_seed(env.rank)).to(env.device)
-    fsdp.ledger.reset()
-    out = fsdp(x)
-    after_forward = fsdp.ledger.gathered
-    out.square().mean().backward()
-    return fsdp, after_forward
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--depth", type=int, default=6, help="Blocks, one unit each (the root keeps 2 Linears)")
+    p.add_argument("--width", type=int, default=256, help="width of the timed model (Block hidden: 4x)")
+    p.add_argument("--steps", type=int, default=3, help="fp64 Adam steps compared with fully_shard")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per schedule (medians, in turns)")
+    return p
 
 
-def demo() -> int:
-    env = setup()
-    if "--bench" in sys.argv:
-        return bench(env)
-    K = env.world_size
-    worst, allowed = check_against_fully_shard(env), 0.0 if K <= 2 else 1e-14  # why: tests/test_fsdp.py
-    print0(f"vs fully_shard (FSDP2), fp64 Adam, 3 steps, K = {K}: max |diff| of losses and parameters "
-           f"{worst:.1e} (allowed {allowed:g})")
-    fsdp, after_forward = one_step(env, reshard=True)
-    kept, kept_after_forward = one_step(env, reshard=False)
-    print0("one step on rank 0 (G all-gather, C compute, R reduce-scatter, F free; = gathered, . shard only)")
-    print0(timeline(fsdp.ledger, [u.name for u in fsdp.units]))
-    per_unit = lambda f: f"{f.ledger.count('all-gather', '1')} all-gather(s) + 1 reduce-scatter"
-    print0(f"why gather twice: after forward rank 0 holds {after_forward} B of full parameters (shards "
-           f"only), but\n  backward needs every W again (dL/dx = dL/dy W): per unit {per_unit(fsdp)}.\n  "
-           f"reshard_after_forward=False keeps them: {per_unit(kept)}, but holds {kept_after_forward} B "
-           f"at the turn\n  (peak {kept.ledger.peak} B instead of {fsdp.ledger.peak} B)")
+def demo(args) -> int:
+    launch.require(min(args.depth - 1, args.width, args.steps, args.repeats) >= 1,
+                   "--depth must be at least 2 (prefetch needs a next unit); --width, --steps, --repeats >= 1")
+    env = launch.setup()
+    K, say, g = env.world_size, launch.print0, torch.Generator().manual_seed(env.rank)
+    data = [torch.randn(2, 4, 6, generator=g, dtype=torch.float64).to(env.device) for _ in range(args.steps)]
+    ours, native = (make_model(6, 10, 3, torch.float64, env.device, native=n) for n in (False, True))
+    losses = [[train_step(m, opt, x, y) for x, y in data]
+              for m, opt in ((m, torch.optim.Adam(m.parameters(), lr=0.01)) for m in (ours, native))]
+    reference = {n: p.full_tensor() for n, p in native.named_parameters()}
+    worst = max([abs(a - b) for a, b in zip(*losses)] +
+                [(p - reference[n]).abs().max().item() for n, p in ours.full_state_dict(to=None).items()])
+    allowed = 0.0 if K <= 2 else 1e-14  # 2 numbers add alike in any order; gloo adds 3+ in a layout's order
+    say(f"vs fully_shard (FSDP2), fp64 Adam, {args.steps} steps, K = {K}: max |diff| of losses and "
+        f"parameters {worst:.1e} (allowed {allowed:g})")
 
-    full, shards = [u.full.nbytes for u in fsdp.units], sum(u.shard.nbytes for u in fsdp.units)  # root first
-    formula, N = full[0] + max(a + b for a, b in zip(full[1:], full[2:])), sum(u.numel for u in fsdp.units)
-    print0(f"parameter memory per rank: shards {shards} B + gathered peak {fsdp.ledger.peak} B (ledger) = "
-           f"{shards + fsdp.ledger.peak} B\n  formula N/K + root + 2 units = {shards + formula} B; "
-           f"DDP holds N = {4 * N} B")
-    ring_allreduce.LEDGER.reset()
-    ring_allreduce.ring_all_reduce(torch.zeros(N, device=env.device))  # what DDP sends for these gradients
-    ddp, sent = ring_allreduce.LEDGER.sent, 3 * (K - 1) * shards
-    print0(f"traffic per rank per step: FSDP {fsdp.ledger.sent} B (ledger; 3(K-1)/K N' = {sent} B)\n"
-           f"  vs DDP's ring all-reduce {ddp} B (ring ledger; 2(K-1)/K N = {2 * (K - 1) / K * 4 * N:.0f} B)"
-           + (f": {fsdp.ledger.sent / ddp:.2f}x" if ddp else ""))
-    figure_ok = fsdp.ledger.peak == formula and fsdp.ledger.sent == sent and after_forward == 0
-    return conclude("fsdp", worst <= allowed, f"= fully_shard (max diff {worst:.0e})", figure_ok,
-                    f"peak N/K + 3 units {shards + formula} B vs DDP {4 * N} B; sent 3(K-1)/K N {sent} B")
-
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def peak_bytes(step, device) -> int:
-    """Memory one step holds above its start: CUDA's allocator peak; on CPU, which keeps none, glibc's heap
-    bytes in use (mallinfo2's hblkhd + uordblks) sampled every 0.1 ms by a thread while the step runs."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    mallinfo2.restype = MallInfo2
-    in_use = lambda: (lambda info: info.uordblks + info.hblkhd)(mallinfo2())
-    base, peak, done = in_use(), [0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], in_use())
-            time.sleep(1e-4)
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    step()
-    done.set()
-    sampler.join()
-    return peak[0] - base
-
-
-def bench(env, width: int = 512, depth: int = 8, batch: int = 16, steps: int = 5) -> int:
-    """Seconds per step (barrier to barrier, after a warm-up step), then the peak memory of one more step."""
-    g = torch.Generator().manual_seed(env.rank)
-    x, y = (torch.randn(batch, width, generator=g).to(env.device) for _ in range(2))
-    N = depth * (8 * width * width + 5 * width) + 2 * (width * width + width)
-    kind = "torch.cuda.max_memory_allocated" if env.device.type == "cuda" else "glibc heap, sampled"
-    print0(f"bench: {depth} blocks, {N / 1e6:.1f}M fp32 parameters ({4 * N / 2 ** 20:.0f} MiB), batch "
-           f"{batch}, {env.world_size} ranks on {env.device.type}\n  peak: {kind}, above the step's "
-           f"start; gathered: the ledger's peak of full parameters")
-    seconds = {}
-    for name, options in [("mini_dist", {}), ("no prefetch", {"prefetch": False}),
-                          ("fully_shard", {"native": True})]:
-        model = make_model(width, 4 * width, depth, torch.float32, env.device, **options)
-        step = partial(train_step, model, torch.optim.Adam(model.parameters(), lr=1e-4), x, y)
-        step()
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        if env.device.type == "cuda":  # the last step's kernels may still run: wait for them
-            torch.cuda.synchronize()
-        dist.barrier()
-        seconds[name], peak = (time.perf_counter() - start) / steps, peak_bytes(step, env.device)
-        gathered = f"{model.ledger.peak / 2 ** 20:5.1f} MiB" if name != "fully_shard" else "  n/a"
-        print0(f"  {name:>12}: {seconds[name] * 1e3:8.1f} ms/step   peak {peak / 2 ** 20:6.1f} MiB   "
-               f"gathered {gathered}")
-    ratio = seconds["mini_dist"] / seconds["fully_shard"]
-    return conclude("fsdp-bench", True, "ran", True, f"{ratio:.2f}x fully_shard's step time")
+    x, y = (torch.randn(16, args.width, generator=g).to(env.device) for _ in range(2))
+    kinds = {"naive": dict(prefetch=False), "prefetch": {}, "kept": dict(reshard_after_forward=False)}
+    models = {k: make_model(args.width, 4 * args.width, args.depth, torch.float32, env.device, **o)
+              for k, o in kinds.items()}
+    steps = {k: partial(train_step, m, torch.optim.Adam(m.parameters(), lr=1e-4), x, y) for k, m in models.items()}
+    seconds = {k: bench.median(t) for k, t in bench.paired(steps, args.repeats).items()}
+    for k, m in models.items():
+        m.ledger.reset()
+        steps[k]()  # the step the ledger shows
+    units, N = models["naive"].units, sum(u.numel for u in models["naive"].units)
+    full, shards = [u.full.nbytes for u in units], sum(u.shard.nbytes for u in units)  # root first
+    formula = {"naive": ("root + 1 unit", full[0] + max(full[1:])), "kept": ("every unit", sum(full)),
+               "prefetch": ("root + 2 units", full[0] + max(a + b for a, b in zip(full[1:], full[2:])))}
+    sent = {k: (2 if k == "kept" else 3) * (K - 1) * shards for k in models}  # 3(K-1)/K N' B, kept 2
+    say("one step on rank 0 (G all-gather, C compute, R reduce-scatter, F free; = gathered, . shard only)")
+    for k in ("naive", "prefetch"):
+        say(f" {k}:\n{timeline(models[k].ledger, [u.name for u in units])}")
+    memory = "memory per rank = N'/K + gathered peak"
+    say(f"{'':9}{'gathers':>8}  {memory:38} {'formula':22} {'bytes sent':>14} {'step':>9}")
+    for k, m in models.items():
+        say(f"{k:9}{m.ledger.count('all-gather', units[1].name):8}  {shards:9} + {m.ledger.peak:9} = "
+            f"{shards + m.ledger.peak:10} B  N'/K + {formula[k][0]:14} {m.ledger.sent:12} B "
+            f"{seconds[k] * 1e3:6.1f} ms")
+    say(f"{'DDP':9}{'':33}{4 * N:10} B  N{'':20} {2 * (K - 1) * 4 * N // K:12} B  (ring all-reduce)")
+    figure_ok = all(m.ledger.peak == formula[k][1] and m.ledger.sent == sent[k] and m.ledger.gathered == 0
+                    for k, m in models.items())
+    return launch.conclude("fsdp", worst <= allowed, f"= fully_shard (max diff {worst:.0e})", figure_ok,
+                           f"memory N'/K + root + 2 units = {shards + formula['prefetch'][1]} B (naive, + 1 unit: "
+                           f"{shards + formula['naive'][1]} B) vs DDP N = {4 * N} B; sent 3(K-1)/K N' = "
+                           f"{sent['prefetch']} B")
 
 
 if __name__ == "__main__":
-    raise SystemExit(demo())
+    raise SystemExit(launch.main(parser(), demo))

@@ -13,12 +13,19 @@ the others raise instead of waiting forever, and torchrun's report names the ran
 `conclude()` ends a demo: every rank agrees on pass/fail (one all-reduce of MIN), rank 0 prints the
 summary line that `./run.sh` collects, and the exit code is non-zero if any check failed.
 
+Every demo is a command: `demo_parser(__doc__)` gives it --help with the defaults, and `main()` runs it.
+A configuration it cannot run (a world size, degrees that do not multiply to it) raises `UsageError`
+before any collective: rank 0 prints one line, every rank exits with status 2, no traceback.
+
 Demo (each rank says who it is, then one all-reduce of the ranks proves the group works):
 
     torchrun --standalone --nproc_per_node=4 mini_dist/launch.py
 """
+import argparse
 import datetime
 import os
+import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +41,63 @@ class Env:
     local_rank: int
     backend: str
     device: torch.device
+
+
+class UsageError(ValueError):
+    """A configuration this program cannot run (world size, degrees, sizes): said once, exit status 2."""
+
+
+def require(ok: bool, message: str) -> None:
+    """Refuse a configuration before any collective; `message` says what to change."""
+    if not ok:
+        raise UsageError(message)
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def env_world_size() -> int:
+    """The world size torchrun announced (1 without torchrun): known before any process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def demo_parser(doc: str) -> argparse.ArgumentParser:
+    """A demo's command line: its module docstring's first paragraph as the description, defaults shown.
+    Every rank parses the same arguments; only rank 0 prints help or errors, so they appear once."""
+    parser = argparse.ArgumentParser(description=doc.strip().split("\n\n")[0], formatter_class=_HelpFormatter)
+    if env_rank() != 0:
+        parser._print_message = lambda message, file=None: None
+    return parser
+
+
+def main(parser: argparse.ArgumentParser, demo, argv=None) -> int:
+    """Parse, run demo(args), return its exit code. A UsageError becomes one line from rank 0 and exit
+    status 2 on every rank (argparse's own convention), with no traceback."""
+    try:
+        return demo(parser.parse_args(argv))
+    except UsageError as e:
+        if env_rank() == 0:
+            print(f"{parser.prog}: error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except SystemExit as e:  # argparse: --help (0) or a bad flag (2), printed by rank 0
+        code = e.code
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if code and env_rank() != 0 and env_world_size() > 1:
+        time.sleep(1.0)  # torchrun stops every rank once one exits: let rank 0 speak first
+    return code
+
+
+def trace(message: str) -> None:
+    """VERBOSE=1: one line, prefixed with the rank, in one write, so ranks' lines never collide mid-line."""
+    if VERBOSE:
+        rank = dist.get_rank() if dist.is_initialized() else env_rank()
+        os.write(sys.stdout.fileno(), f"[rank {rank}] {message}\n".encode())
 
 
 def choose_backend(local_world_size: int) -> str:
@@ -61,6 +125,10 @@ def setup(backend: str | None = None, seed: int = 0) -> Env:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     backend = backend or choose_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    require(backend in ("gloo", "nccl"), f"backend {backend!r} is not supported: use gloo or nccl")
+    require(backend != "nccl" or torch.cuda.device_count() > local_rank,
+            f"NCCL needs a CUDA GPU per rank and this machine has {torch.cuda.device_count()} for local "
+            f"rank {local_rank}: unset MINI_DIST_BACKEND (or set it to gloo) to run on the CPU")
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -119,13 +187,20 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def parser() -> argparse.ArgumentParser:
+    return demo_parser(__doc__)
+
+
+def demo(args) -> int:
     env = setup()
     print(f"rank {env.rank}/{env.world_size} local_rank {env.local_rank} backend {env.backend} "
           f"device {env.device}", flush=True)
     total = torch.tensor([float(env.rank)], device=env.device)
     dist.all_reduce(total)
     expected = env.world_size * (env.world_size - 1) / 2
-    raise SystemExit(conclude("launch", total.item() == expected,
-                              f"all_reduce(rank) = {total.item():g}",
-                              True, f"world {env.world_size} on {env.backend}/{env.device.type}"))
+    return conclude("launch", total.item() == expected, f"all_reduce(rank) = {total.item():g}",
+                    True, f"world {env.world_size} on {env.backend}/{env.device.type}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(parser(), demo))

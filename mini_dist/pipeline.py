@@ -1,35 +1,38 @@
-"""Pipeline parallelism: a model cut into P stages, microbatches flowing through them, GPipe and 1F1B.
+"""Pipeline parallelism: a model cut into stages, microbatches flowing through them, on isend/irecv.
 
-The layers of a sequential model are cut into P consecutive stages, stage s on rank s of the pipeline
-group, and the batch into M microbatches. Stage s receives microbatch m's activation from stage s-1, runs
-its layers and sends the result on; the last stage computes the loss; activation gradients travel back
-the same way, and every stage accumulates its parameters' gradients over the M microbatches. While the
-pipe fills and drains, stages wait: if one microbatch's forward + backward takes t on every stage, a step
-takes (M+P-1)*t, of which each stage computes for M*t, so
+The layers of a sequential model are cut into P consecutive stages, stage s on rank s of the pipeline group,
+and the batch into M microbatches. Stage s receives microbatch m's activation from stage s-1, runs its
+layers and sends the result on; the last stage computes the loss; activation gradients travel back the
+same way, and every stage accumulates its parameters' gradients over the M microbatches. While the pipe
+fills and drains, stages wait: with forward + backward taking t per stage and microbatch, a step takes
+(M+P-1)*t, of which each stage computes for M*t:
 
-    bubble fraction = (P-1) / (M+P-1)        (more microbatches, smaller bubble)
+    bubble fraction = (P-1) / (M+P-1)       GPipe, 1F1B;  (P-1)/(vM+P-1) interleaved;  (P-1)/(3M+P-1) ZB-H1
 
-GPipe (Huang et al. 2019) runs all M forwards, then all M backwards: a stage holds M microbatches'
-activations. 1F1B (PipeDream-Flush, Narayanan et al. 2021) runs each backward as early as it can: the same
-bubble, but stage s never holds more than P-s microbatches, however large M grows.
+What each rank runs when is a schedule, data built in mini_dist/pipeline_schedules.py (read it first; its
+bubble, simulated and measured, is mini_dist/pipeline_bubble.py). One executor runs every schedule: each
+action calls the method of its name; a send never blocks (isend), a receive waits for its message (irecv).
+Zero bubble splits a backward into B (the input's gradient) and W (the weights'): for W, the forward keeps
+each layer's output as the root of a graph of its own, exact for layers like nn.Linear, while a composite
+layer (a transformer block) reruns part of its backward in W (torch's stage_backward_weight keeps B's
+intermediate gradients instead). The ranks first agree on the schedule and the batch, so that a rank that
+built another one is named at once, not after a timeout; with MINI_DIST_DEBUG=1 every message also carries
+a header its receiver checks. Data parallelism inside the pipeline: with `no_sync` (DistributedDataParallel's,
+one per chunk) every weight-gradient computation but a chunk's last runs under it, so gradients are reduced
+once per step, during that last backward, while the stages before this one still drain.
 
-A schedule is data (as in ShallowSpeed): per stage, an ordered list of actions. It can be printed,
-simulated and tested without processes; `pipeline_step` runs it with isend/irecv. VERBOSE=1 prints every
-send and receive as it happens.
+    torchrun --standalone --nproc_per_node=4 mini_dist/pipeline.py [--microbatches 8 --chunks 2 --width 24]
 
-    torchrun --standalone --nproc_per_node=4 mini_dist/pipeline.py [--bench]
-
-Mirrors torch.distributed.pipelining: PipelineStage with ScheduleGPipe / Schedule1F1B.
+VERBOSE=1 prints every send and receive of one step. Mirrors torch.distributed.pipelining's PipelineStage
+with ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble.
 """
-import functools
-import itertools
-import math
+import contextlib
 import sys
 import time
-from collections import defaultdict, deque
+import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,380 +40,271 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.launch import VERBOSE, conclude, device, print0, setup
+from mini_dist import debug, launch  # noqa: E402
+from mini_dist.pipeline_schedules import (COMPUTE, FREES, SCHEDULES, Event, Schedule, pipeline_chunks,  # noqa: E402
+                                          route, schedules_for, torch_step)
 
-# ----- cutting a model into stages -----
-
-
-def balanced_split(costs: list[int], n_stages: int) -> list[int]:
-    """Layers per stage: cut `costs` into n_stages consecutive runs so that the costliest run is as cheap
-    as it can be (the slowest stage sets the pace of the whole pipe). Exact, by dynamic programming."""
-    prefix = [0, *itertools.accumulate(costs)]
-
-    @functools.cache
-    def best(p: int, i: int) -> tuple:  # (cost of the costliest stage, sizes) for layers [0, i) on p stages
-        if p == 1:
-            return prefix[i], (i,)
-        return min((max(best(p - 1, j)[0], prefix[i] - prefix[j]), best(p - 1, j)[1] + (i - j,))
-                   for j in range(p - 1, i))
-    return list(best(n_stages, len(costs))[1])
+# ----- agreeing before the first message -----
 
 
-def split_model(model: nn.Sequential, n_stages: int, sizes: list[int] | None = None) -> list[nn.Sequential]:
-    """Cut a sequential model into n_stages stages that share its layers: sizes[i] layers for stage i if
-    given, else balanced by parameter count (+1 per layer, so parameter-free layers are spread too)."""
-    layers = list(model)
-    if n_stages > len(layers):
-        raise ValueError(f"cannot cut {len(layers)} layers into {n_stages} pipeline stages (a stage needs at "
-                         f"least one layer): use at most {len(layers)} pipeline ranks, or a deeper model")
-    if sizes is None:
-        sizes = balanced_split([1 + sum(p.numel() for p in layer.parameters()) for layer in layers], n_stages)
-    if len(sizes) != n_stages or min(sizes) < 1 or sum(sizes) != len(layers):
-        raise ValueError(f"sizes {sizes} must be {n_stages} positive layer counts summing to {len(layers)}")
-    bounds = [0, *itertools.accumulate(sizes)]
-    return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
-
-
-def pipeline_stage(model: nn.Sequential, group=None, sizes: list[int] | None = None) -> nn.Sequential:
-    """This rank's stage of `model`: stage i lives on rank i of the pipeline group."""
-    return split_model(model, dist.get_world_size(group), sizes)[dist.get_rank(group)]
-
-
-# ----- schedules as data -----
-
-class Action(NamedTuple):
-    op: str  # recv_act, forward, send_act, recv_grad, backward, send_grad
-    mb: int  # the microbatch it works on
-
-
-def _with_communication(order: list[list[tuple[str, int]]]) -> list[list[Action]]:
-    """Turn each stage's order of computations, ("F", m) and ("B", m), into actions with their messages."""
-    if not order or not order[0]:
-        raise ValueError("a pipeline schedule needs at least one stage and one microbatch")
-    schedule = []
-    for s, computations in enumerate(order):
-        prev, nxt = s > 0, s < len(order) - 1  # is there a stage before / after this one?
-        actions = []
-        for kind, m in computations:
-            if kind == "F":  # the input comes from the previous stage, the output goes to the next
-                actions += [Action("recv_act", m)] * prev + [Action("forward", m)]
-                actions += [Action("send_act", m)] * nxt
-            else:  # the output's gradient comes from the next stage, the input's goes to the previous
-                actions += [Action("recv_grad", m)] * nxt + [Action("backward", m)]
-                actions += [Action("send_grad", m)] * prev
-        schedule.append(actions)
-    return schedule
-
-
-def gpipe_schedule(n_stages: int, n_microbatches: int) -> list[list[Action]]:
-    """GPipe: every stage runs all M forwards, then all M backwards (holding M microbatches' activations)."""
-    order = [("F", m) for m in range(n_microbatches)] + [("B", m) for m in range(n_microbatches)]
-    return _with_communication([order] * n_stages)
-
-
-def one_f_one_b_schedule(n_stages: int, n_microbatches: int) -> list[list[Action]]:
-    """1F1B: stage s runs P-1-s warm-up forwards, then alternates one forward and one backward, then
-    drains the last backwards. Each backward frees a microbatch, so stage s holds at most P-s of them."""
-    P, M, order = n_stages, n_microbatches, []
-    for s in range(P):
-        warmup = min(P - 1 - s, M)
-        steady = [c for i in range(M - warmup) for c in (("F", warmup + i), ("B", i))]
-        order.append([("F", m) for m in range(warmup)] + steady + [("B", m) for m in range(M - warmup, M)])
-    return _with_communication(order)
-
-
-SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
-
-
-def simulate(schedule: list[list[Action]], t_forward: float = 1, t_backward: float = 2) -> list[list[tuple]]:
-    """Play a schedule as the executor runs it: a send never blocks (isend), a receive waits for its
-    message, messages between two stages arrive in the order sent; forward and backward take t_forward
-    and t_backward. Returns each stage's timeline of (op, mb, start, end). Raises RuntimeError on a
-    deadlock (no stage can move), a receive that would get the wrong microbatch, or a message never read."""
-    P = len(schedule)
-    timeline, clock, pc = [[] for _ in range(P)], [0] * P, [0] * P
-    wires = defaultdict(deque)  # (src, dst) -> [(microbatch, time sent)] in the order sent
-    moved = True
-    while moved:
-        moved = False
-        for s in range(P):
-            while pc[s] < len(schedule[s]):
-                op, m = schedule[s][pc[s]]
-                start = clock[s]
-                if op in ("send_act", "send_grad"):
-                    wires[s, s + 1 if op == "send_act" else s - 1].append((m, start))
-                elif op in ("forward", "backward"):
-                    clock[s] += t_forward if op == "forward" else t_backward
-                else:
-                    src = s - 1 if op == "recv_act" else s + 1
-                    if not wires[src, s]:
-                        break
-                    sent, at = wires[src, s].popleft()
-                    if sent != m:
-                        raise RuntimeError(f"stage {s} {op} {m} would receive microbatch {sent} "
-                                           f"from stage {src}")
-                    clock[s] = max(clock[s], at)
-                timeline[s].append((op, m, start, clock[s]))
-                pc[s], moved = pc[s] + 1, True
-    stuck = [f"stage {s} at {schedule[s][pc[s]]}" for s in range(P) if pc[s] < len(schedule[s])]
-    if stuck:
-        raise RuntimeError("deadlock: " + ", ".join(stuck))
-    unread = [f"{src}->{dst}: {list(wire)}" for (src, dst), wire in wires.items() if wire]
-    if unread:
-        raise RuntimeError("sent but never received: " + ", ".join(unread))
-    return timeline
-
-
-def bubble_fraction(timeline: list[list[tuple]]) -> float:
-    """The share of P x (step time) that stages spend not computing (waiting, sending, idle)."""
-    events = [e for stage in timeline for e in stage]
-    span = max(e[3] for e in events) - min(e[2] for e in events)
-    busy = sum(end - start for op, _, start, end in events if op in ("forward", "backward"))
-    return (len(timeline) * span - busy) / (len(timeline) * span)
-
-
-def live_microbatches(actions: list[Action]) -> int:
-    """Most microbatches whose forward ran and backward did not yet: whose activations a stage holds."""
-    return max(itertools.accumulate((op == "forward") - (op == "backward") for op, _ in actions))
-
-
-def timeline_picture(timeline: list[list[tuple]], unit: float = 1) -> str:
-    """Stages as rows, time as columns of `unit`: F3 / B3 where a stage computes microbatch 3, . idle."""
-    compute = [[e for e in stage if e[0] in ("forward", "backward")] for stage in timeline]
-    columns = math.ceil(max(e[3] for stage in compute for e in stage) / unit - 1e-9)
-    width = 2 + max(len(str(e[1])) for stage in compute for e in stage)
-    rows = []
-    for s, events in enumerate(compute):
-        cells = (next((f"{op[0].upper()}{m}" for op, m, a, b in events if a <= (k + 0.5) * unit < b), ".")
-                 for k in range(columns))
-        rows.append(f"stage {s} |" + "".join(c.ljust(width) for c in cells).rstrip())
-    return "\n".join(rows)
-
-
-# ----- the executor -----
-
-HEADER_LEN = 10  # int64s: dtype code, ndim, up to 8 sizes
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-
-
-@dataclass
-class StepStats:
-    """What one stage measured during one step."""
-    events: list = field(default_factory=list)  # (op, microbatch, start_s, end_s) since the step began
-    peak_live: int = 0   # most microbatches whose activations were held at once
-    bytes_sent: int = 0  # activations forward + activation gradients backward + one shape header
-
-
-def pipeline_step(stage: nn.Module, schedule: list[list[Action]], inputs=None, targets=None, loss_fn=None,
-                  group=None):
-    """Run one training step of `schedule` on this rank's `stage` (any module, one tensor to one tensor).
-
-    The first stage passes the whole batch `inputs`, the last `targets` and `loss_fn(output, target)` (a
-    mean over its microbatch). Gradients accumulate into .grad as those of loss_fn on the whole batch.
-    Returns (the batch loss on the last stage, else None; StepStats). Sends are left in flight, so a
-    stage blocks only on receives: any schedule `simulate` accepts runs here without deadlock. A send is
-    posted together with the receive that follows it (batch_isend_irecv, as Megatron does): NCCL runs a
-    pair's sends and receives in order, and 1F1B's crossing "send act / recv grad" on one side and
-    "send grad / recv act" on the other would otherwise wait on each other there."""
+def agree_on_step(schedule: Schedule, chunks: list, inputs, targets, loss_fn, group=None) -> None:
+    """One all-gather of what each rank is about to run: the schedule (name, M, stages, chunks, and a
+    checksum of every rank's actions), its chunks, and what only the ends know (the batch on the first
+    stage, targets and loss on the last). Every rank finds the same problem and raises the same error,
+    naming ranks, instead of waiting for a message that never comes."""
     P, s = dist.get_world_size(group), dist.get_rank(group)
-    if len(schedule) != P:
-        raise ValueError(f"the schedule has {len(schedule)} stages but the pipeline group {P} ranks")
-    first, last, dev = s == 0, s == P - 1, device()
-    M = sum(op == "forward" for op, _ in schedule[s])
-    # Only the first stage sees the inputs and only the last the targets, yet every rank must reject a bad
-    # batch alike before anyone waits for a neighbour: one small all-reduce shares what each one knows.
-    known = torch.tensor([len(inputs) if first and inputs is not None else 0,
-                          len(targets) if last and targets is not None else 0,
-                          (first and inputs is None) or (last and (targets is None or loss_fn is None))],
-                         device=dev)
-    dist.all_reduce(known, op=dist.ReduceOp.MAX, group=group)
-    batch, n_targets, missing = known.tolist()
-    if missing:
+    plan = (schedule.name, schedule.n_microbatches, len(schedule.actions), schedule.n_chunks)
+    everyone = [None] * P
+    dist.all_gather_object(everyone, dict(
+        plan=plan, actions=zlib.crc32(repr(schedule.actions).encode()), chunks=len(chunks),
+        inputs=len(inputs) if s == 0 and inputs is not None else None,
+        targets=len(targets) if s == P - 1 and targets is not None and loss_fn is not None else None), group=group)
+
+    def who(key, say):  # "rank 0: ...; ranks 1, 2: ..."
+        values = {}
+        for r, e in enumerate(everyone):
+            values.setdefault(e[key], []).append(str(dist.get_global_rank(group, r) if group is not None else r))
+        return "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {say(v)}" for v, r in values.items())
+    name, M, stages, v = everyone[0]["plan"]
+    if len({e["plan"] for e in everyone}) > 1:
+        raise ValueError("pipeline ranks disagree on the schedule: " + who("plan", lambda p: "{} with M={}, {} "
+                         "stages x {} chunk(s)".format(*p)) + ": build it with the same arguments on every rank")
+    if len({e["actions"] for e in everyone}) > 1:
+        raise ValueError(f"pipeline ranks hold different actions under one name, {name}: "
+                         + who("actions", lambda crc: f"checksum {crc}"))
+    if stages != P or any(e["chunks"] != v for e in everyone):
+        raise ValueError(f"the schedule runs {stages} stages x {v} chunk(s) per rank, but the pipeline group has "
+                         f"{P} ranks, holding chunks: {who('chunks', str)}: cut the model with pipeline_chunks(model, "
+                         f"group, {v}) on a group of {stages}")
+    batch, n_targets = everyone[0]["inputs"], everyone[-1]["targets"]
+    if batch is None or n_targets is None:
         raise ValueError("the first stage needs `inputs`, the last stage `targets` and `loss_fn`")
     if batch != n_targets or batch % M:
         raise ValueError(f"a batch of {batch} inputs and {n_targets} targets cannot be cut into {M} equal "
                          f"microbatches: pass as many targets as inputs and choose M dividing {batch}")
-    x_in = dict(enumerate(inputs.chunk(M))) if first else {}
-    y_target = targets.chunk(M) if last else None
-    out, grad_out, in_flight, loss, shape, shape_sent, stats = {}, {}, [], None, None, False, StepStats()
-    pending = []  # sends not posted yet: they go out with the next receive, or before the next compute
 
-    def send(tensor, peer):  # peer, like s, is a rank of the pipeline group: stage i is its rank i
-        tensor = tensor.contiguous()
-        stats.bytes_sent += tensor.numel() * tensor.element_size()
-        pending.append(dist.P2POp(dist.isend, tensor, group=group, group_peer=peer))
 
-    def post(recv_op=None):
-        ops = pending + ([recv_op] if recv_op else [])
-        works = dist.batch_isend_irecv(ops) if ops else []
-        in_flight.extend((w, op.tensor) for w, op in zip(works, pending))  # buffers kept until sent
-        pending.clear()
-        return works[-1] if recv_op else None
+# ----- the executor -----
 
-    def recv(tensor, peer):
-        post(dist.P2POp(dist.irecv, tensor, group=group, group_peer=peer)).wait()
+HEADER_LEN = 13  # int64s: message kind, microbatch, virtual stage, dtype, ndim, up to 8 sizes
+DTYPES, KINDS = [torch.float32, torch.float64, torch.float16, torch.bfloat16], ("act", "grad")
+
+
+@dataclass
+class StepStats:
+    """What one rank measured during one step."""
+    events: list = field(default_factory=list)  # Event(op, microbatch, chunk, start_s, end_s) since the start
+    peak_live: int = 0   # most microbatches (x chunks) whose activations were kept at once
+    bytes_sent: int = 0  # activations forward + their gradients backward + one shape header per stage
+
+
+class Executor:
+    """One rank's state during one step, by (microbatch, chunk): each computation is the method of its name."""
+
+    def __init__(self, chunks, schedule: Schedule, inputs, targets, loss_fn, group, no_sync):
+        self.chunks, self.group, self.loss_fn, self.no_sync = chunks, group, loss_fn, no_sync
+        self.P, self.rank, self.M = dist.get_world_size(group), dist.get_rank(group), schedule.n_microbatches
+        self.S, self.actions = self.P * schedule.n_chunks, schedule.actions[self.rank]
+        self.inputs = inputs.chunk(self.M) if self.rank == 0 else None
+        self.targets = targets.chunk(self.M) if self.rank == self.P - 1 else None
+        self.split = any(a.op == "backward_weight" for a in self.actions)  # zero bubble: B and W apart
+        self.last_weights = {a.chunk: a.mb for a in self.actions if a.op in FREES}  # where DDP may sync
+        self.x, self.layers, self.dy, self.dx, self.w_grads = {}, {}, {}, {}, {}
+        self.shapes, self.announced = {}, set()  # activation shapes received; stages told their shape
+        self.local, self.loss = deque(), None  # messages to itself (one rank, several chunks)
+        self.pending, self.in_flight, self.stats = [], [], StepStats()
+
+    def stage(self, c: int) -> int:
+        return c * self.P + self.rank
+
+    def forward(self, m, c):
+        x, chunk, segments = self.inputs[m] if self.stage(c) == 0 else self.x.pop((m, c)), self.chunks[c], []
+        for layer in list(chunk) if self.split and isinstance(chunk, nn.Sequential) else [chunk]:
+            if segments:  # W needs each layer's output gradient: cut the graph there, (input, output) each
+                x = segments[-1][1].detach().requires_grad_(segments[-1][1].requires_grad)
+            segments.append((x, layer(x)))
+        if self.stage(c) == self.S - 1:  # the mean of M microbatch means is the batch mean
+            segments[-1] = (x, self.loss_fn(segments[-1][1], self.targets[m]) / self.M)
+            self.loss = segments[-1][1].detach() + (0 if self.loss is None else self.loss)
+        self.layers[m, c] = segments
+
+    def backward(self, m, c):
+        """B and W at once: one autograd pass from the output's gradient (the loss on the last stage)."""
+        (x, y), = self.layers.pop((m, c))
+        with self.sync(m, c):
+            if y.requires_grad:  # else nothing before it needs a gradient (a frozen first stage)
+                torch.autograd.backward(y, self.dy.pop((m, c), None))
+        if self.stage(c) > 0:
+            self.dx[m, c] = x.grad if x.grad is not None else torch.zeros_like(x)
+
+    def backward_input(self, m, c):
+        """B: the input's gradient only, layer by layer from the last; keeps each output's gradient for W."""
+        segments, dy, grads = self.layers[m, c], self.dy.pop((m, c), None), []
+        for x, y in reversed(segments):
+            grads.append(dy)
+            dy = torch.autograd.grad(y, x, dy, retain_graph=True)[0] if x.requires_grad and y.requires_grad else None
+        self.w_grads[m, c] = grads[::-1]
+        if self.stage(c) > 0:
+            self.dx[m, c] = dy if dy is not None else torch.zeros_like(segments[0][0])
+
+    def backward_weight(self, m, c):
+        """W: the weights' gradients from the layer outputs' gradients that B kept; frees the activations."""
+        roots = [(y, g) for (_, y), g in zip(self.layers.pop((m, c)), self.w_grads.pop((m, c))) if y.requires_grad]
+        params = [p for p in self.chunks[c].parameters() if p.requires_grad]
+        with self.sync(m, c):
+            if roots and params:
+                torch.autograd.backward(*zip(*roots), inputs=params)
+
+    def sync(self, m, c):
+        """Data parallelism: only a chunk's last weight-gradient computation may reduce the gradients."""
+        return contextlib.nullcontext() if self.no_sync is None or self.last_weights[c] == m else self.no_sync[c]()
+
+    def send(self, action):
+        m, c = action.mb, action.chunk
+        tensor = self.layers[m, c][-1][1].detach() if action.op == "send_act" else self.dx.pop((m, c))
+        peer, message = route(action, self.rank, self.P, self.S)
+        if peer == self.rank:  # one rank holding several chunks: the message stays here
+            return self.local.append(tensor)
+        first = message[0] == "act" and message[2] not in self.announced
+        if first or debug.DEBUG:  # the receiver learns the shape; in debug mode it checks every message
+            self.announced.add(message[2])
+            values = [KINDS.index(message[0]), *message[1:], DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+            self.post_send(torch.tensor(values + [0] * (HEADER_LEN - len(values)), device=launch.device()), peer,
+                           counted=first)
+        self.post_send(tensor.contiguous(), peer)
+
+    def post_send(self, tensor, peer, counted=True):
+        self.stats.bytes_sent += tensor.numel() * tensor.element_size() * counted
+        self.pending.append(dist.P2POp(dist.isend, tensor, group=self.group, group_peer=peer))
+
+    def recv(self, action):
+        (m, c), (peer, message) = action[1:], route(action, self.rank, self.P, self.S)
+        out = self.layers[m, c][-1][1] if message[0] == "grad" else None  # the gradient of what this rank sent
+        expected = (list(out.shape), out.dtype) if out is not None else self.shapes.get(message[::2])
+        if peer != self.rank and (expected is None or debug.DEBUG):
+            header = self.receive(torch.empty(HEADER_LEN, dtype=torch.int64, device=launch.device()), peer, action)
+            kind, mb, j, dtype, ndim, *sizes = header.tolist()
+            got = ((KINDS[kind], mb, j), (sizes[:ndim], DTYPES[dtype]))
+            if got[0] != message or got[1] != (expected or got[1]):
+                raise debug.Disagreement(
+                    f"rank {self.global_rank(self.rank)} expects the {message[0]} of microbatch {m} for stage "
+                    f"{message[2]}, {(expected or got[1])[0]}, from rank {self.global_rank(peer)}, which sent the "
+                    f"{KINDS[kind]} of microbatch {mb} for stage {j}, {sizes[:ndim]}: the ranks run different "
+                    f"schedules or models")
+            expected = self.shapes[message[::2]] = got[1]  # by (act|grad, stage): only activations are looked up
+        tensor = self.local.popleft() if peer == self.rank else self.receive(
+            torch.empty(expected[0], dtype=expected[1], device=launch.device()), peer, action)
+        if message[0] == "act":
+            self.x[m, c] = tensor.requires_grad_()
+        else:
+            self.dy[m, c] = tensor
+
+    def receive(self, tensor, peer, action):
+        """Post the waiting sends with this receive (batch_isend_irecv, as Megatron does: NCCL runs a pair's
+        messages in order, and 1F1B's crossing sends and receives would otherwise wait on each other)."""
+        works = self.post(dist.P2POp(dist.irecv, tensor, group=self.group, group_peer=peer))
+        self.wait(works[-1], peer, f"{action.op} of microbatch {action.mb}")
         return tensor
 
-    t0 = time.perf_counter()
-    for op, m in schedule[s]:
-        start = time.perf_counter() - t0
-        if op in ("forward", "backward"):
-            post()  # the neighbour should not wait for our compute to get what is already done
-        if op == "recv_act":
-            if shape is None:  # all microbatches have one shape: it travels once, in a header
-                header = recv(torch.empty(HEADER_LEN, dtype=torch.int64, device=dev), s - 1)
-                code, ndim, *sizes = header.tolist()
-                shape = (sizes[:ndim], _DTYPES[code])
-            x_in[m] = recv(torch.empty(shape[0], dtype=shape[1], device=dev), s - 1).requires_grad_()
-        elif op == "forward":
-            out[m] = stage(x_in[m])
-            if last:  # the mean of M microbatch means is the batch mean
-                out[m] = loss_fn(out[m], y_target[m]) / M
-                loss = out[m].detach() if loss is None else loss + out[m].detach()
-        elif op == "send_act":
-            if not shape_sent:
-                shape_sent, header = True, [_DTYPES.index(out[m].dtype), out[m].dim(), *out[m].shape]
-                send(torch.tensor(header + [0] * (HEADER_LEN - len(header)), device=dev), s + 1)
-            send(out[m].detach(), s + 1)
-        elif op == "recv_grad":
-            grad_out[m] = recv(torch.empty_like(out[m]), s + 1)
-        elif op == "backward":
-            y = out.pop(m)
-            if y.requires_grad:  # else nothing before it needs a gradient (a frozen first stage)
-                torch.autograd.backward(y, grad_out.pop(m, None))
-        elif op == "send_grad":
-            x = x_in.pop(m)
-            send(x.grad if x.grad is not None else torch.zeros_like(x), s - 1)
-        if VERBOSE and op.startswith(("send", "recv")):
-            print(f"[rank {dist.get_rank()}] stage {s} {op} microbatch {m}", flush=True)
+    def post(self, recv_op=None):
+        ops, self.pending = self.pending + [recv_op] * (recv_op is not None), []
+        works = dist.batch_isend_irecv(ops) if ops else []
+        self.in_flight += [(w, op.tensor, op.group_peer) for w, op in zip(works, ops) if op is not recv_op]
+        return works
+
+    def wait(self, work, peer, what):
+        debug.wait_for(work, self.global_rank(peer), f"rank {self.global_rank(self.rank)}, {what} with its "
+                                                     f"pipeline neighbour")
+
+    def global_rank(self, r):
+        return dist.get_global_rank(self.group, r) if self.group is not None else r
+
+
+def pipeline_step(stage, schedule: Schedule, inputs=None, targets=None, loss_fn=None, group=None, no_sync=None,
+                  trace: bool = launch.VERBOSE):
+    """Run one training step of `schedule` on this rank's `stage` (a module, or the list of its v chunks).
+
+    The first stage passes the whole batch `inputs`, the last `targets` and `loss_fn(output, target)` (a
+    mean over its microbatch). Gradients accumulate into .grad as those of loss_fn on the whole batch.
+    Returns (the batch loss on the last stage, else None; StepStats). `no_sync`: one context manager
+    factory per chunk (DistributedDataParallel.no_sync), entered by every weight-gradient computation of
+    that chunk but its last. Any schedule `simulate` accepts runs here without deadlock."""
+    chunks = list(stage) if isinstance(stage, (list, tuple)) else [stage]
+    agree_on_step(schedule, chunks, inputs, targets, loss_fn, group)
+    run, t0 = Executor(chunks, schedule, inputs, targets, loss_fn, group, no_sync), time.perf_counter()
+    for action in run.actions:
+        (op, m, c), start = action, time.perf_counter() - t0
+        if op in COMPUTE:
+            run.post()  # the neighbour should not wait for our compute to get what is already done
+            getattr(run, op)(m, c)
+        else:
+            (run.send if op.startswith("send") else run.recv)(action)
+            if trace:
+                launch.trace(f"stage {run.stage(c)} {op} microbatch {m}")
         # a buffer goes once sent: holding all M until the end would undo 1F1B's memory saving
-        in_flight = [(work, t) for work, t in in_flight if not work.is_completed()]
-        stats.peak_live = max(stats.peak_live, len(out))
-        stats.events.append((op, m, start, time.perf_counter() - t0))
-    post()
-    for work, _ in in_flight:
-        work.wait()
-    return loss, stats
+        run.in_flight = [sent for sent in run.in_flight if not sent[0].is_completed()]
+        run.stats.peak_live = max(run.stats.peak_live, len(run.layers))
+        run.stats.events.append(Event(op, m, c, start, time.perf_counter() - t0))
+    run.post()
+    for work, _, peer in run.in_flight:
+        run.wait(work, peer, "a send")
+    return run.loss, run.stats
 
 
-# ----- demo: the check against torch.distributed.pipelining, then bubble and memory measured -----
+# ----- demo: every schedule against torch.distributed.pipelining and one process -----
 
-def torch_pipelining(stage, name, n_microbatches, loss_fn, group=None):
-    """The reference, torch.distributed.pipelining, on the same stage (demo and tests only):
-    returns step(inputs, targets) -> the batch loss on the last stage, else None."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-    P, s = dist.get_world_size(group), dist.get_rank(group)
-    reference = PipelineStage(stage, s, P, device(), group=group)
-    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](reference, n_microbatches, loss_fn)
-
-    def step(inputs, targets):
-        losses = []
-        schedule.step(*[inputs] * (s == 0), **(dict(target=targets, losses=losses) if s == P - 1 else {}))
-        return torch.stack(losses).mean() if losses else None
-    return step
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
+    p.add_argument("--chunks", type=int, default=2, help="v, model chunks per rank of the interleaved schedule")
+    p.add_argument("--width", type=int, default=24, help="features of every activation")
+    return p
 
 
-class SimulatedCompute(nn.Module):
-    """Stands in for compute: 4 ranks on 2 shared cores cannot run 4 matmuls side by side, but they can
-    sleep side by side, as 4 devices compute (forward t, backward 2t, as in practice)."""
-    def __init__(self, seconds: float):
-        super().__init__()
-        self.seconds = seconds
-
-    def forward(self, x):
-        self.compute(x, self.seconds)
-        x = x.clone()
-        x.register_hook(lambda grad: self.compute(grad, 2 * self.seconds))
-        return x
-
-    @staticmethod
-    def compute(t, seconds):
-        if t.is_cuda:  # a kernel starts once its input has arrived; on a GPU, irecv().wait() did not block
-            torch.cuda.synchronize(t.device)
-        time.sleep(seconds)
-
-
-def against_torch(model: nn.Sequential, x, y, steps: int = 0):
-    """Ours and torch.distributed.pipelining, both schedules, M = 2P (torch's 1F1B refuses M < P), on this
-    rank's stage of `model`: the max |difference| of loss and grads from one process on the full batch,
-    and {(schedule, executor): ms per step} over `steps` more steps (the checked one is their warm-up)."""
-    P, M, loss_fn = dist.get_world_size(), 2 * dist.get_world_size(), nn.MSELoss()
+def against_one_process(model, chunks, name: str, plan: Schedule, x, y, repeats: int = 1, trace=False) -> tuple:
+    """Our step of `plan` (`repeats` times, the first traced if asked) and torch's on this rank's `chunks` of
+    `model`: each one's largest difference of loss and gradients from one process on the whole batch (x, y),
+    and our steps' StepStats."""
+    loss_fn = nn.MSELoss()
     full_loss = loss_fn(model(x), y)
     full_loss.backward()
-    stage = pipeline_stage(model)
-    expected, worst, times = [p.grad.clone() for p in stage.parameters()], 0.0, {}
-    for name, build in SCHEDULES.items():
-        for who, step in (("mini_dist", lambda a, b: pipeline_step(stage, build(P, M), a, b, loss_fn)[0]),
-                          ("torch.distributed.pipelining", torch_pipelining(stage, name, M, loss_fn))):
-            stage.zero_grad()
-            loss = step(x, y)
-            worst = max([worst, 0.0 if loss is None else abs(loss - full_loss).item()] +
-                        [(p.grad - e).abs().max().item() for p, e in zip(stage.parameters(), expected)])
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                step(x, y)
-            if x.is_cuda:  # the steps' kernels run after the host has moved on: wait for them
-                torch.cuda.synchronize()
-            dist.barrier()
-            times[name, who] = (time.perf_counter() - start) / max(steps, 1) * 1e3
-    return worst, times
+    expected, diffs, stats = {p: p.grad.clone() for p in model.parameters()}, [], []
+    ours = [lambda: pipeline_step(chunks, plan, x, y, loss_fn, trace=trace and not stats)] * repeats
+    for step in ours + [lambda: (torch_step(chunks, name, plan.n_microbatches, loss_fn)(x, y), None)]:
+        model.zero_grad()
+        loss, mine = step()
+        diffs.append(max([0.0 if loss is None else abs(loss - full_loss).item()] +
+                         [(p.grad - expected[p]).abs().max().item() for c in chunks for p in c.parameters()]))
+        stats += [mine] * (mine is not None)
+    return max(diffs[:-1]), diffs[-1], stats
 
 
-def measure(P: int, M: int, name: str, seconds: float, width: int = 64):
-    """One step on sleeping stages: every stage's timeline, stage 0's peak of live microbatches, and
-    whether every stage held and sent what it should (GPipe M, 1F1B min(M, P-s); a batch each way)."""
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh(), SimulatedCompute(seconds))
-                            for _ in range(P)]).to(device())
-    x, y = (torch.randn(4 * M, width).to(device()) for _ in "xy")
-    _, stats = pipeline_step(pipeline_stage(model), SCHEDULES[name](P, M), x, y, nn.MSELoss())
-    every = [None] * P
-    dist.all_gather_object(every, stats)
-    batch = x.numel() * x.element_size()  # forward to s+1 (with one header), backward to s-1
-    ok = all(st.peak_live == (M if name == "gpipe" else min(M, P - s))
-             and st.bytes_sent == (batch + 8 * HEADER_LEN) * (s < P - 1) + batch * (s > 0)
-             for s, st in enumerate(every))
-    return [st.events for st in every], every[0].peak_live, ok
-
-
-def demo() -> int:
-    P, t = setup().world_size, 0.03
-    torch.manual_seed(0)  # the same model and batch on every rank
-    widths = [8, 32, 16, 24, 16, 32, 8, 4]
-    model = nn.Sequential(*[m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.Tanh())])
-    x, y = (torch.randn(48, w, dtype=torch.float64).to(device()) for w in (8, 4))
-    worst = against_torch(model.to(device(), torch.float64), x, y)[0]
-    print0(f"loss and grads, fp64: pipelined GPipe and 1F1B = torch.distributed.pipelining = one process on "
-           f"the full batch, max diff {worst:.1e}")
-    figure_ok, rows = True, []
-    for M in (2, 4, 8):
-        formula, row = (P - 1) / (M + P - 1), f"{M:>3}"
-        for name in SCHEDULES:
-            # the best of three steps, as timeit takes the best: other processes on a shared host (and the
-            # first messages, which open the connections) only add time
-            runs = [measure(P, M, name, t) for _ in range(3)]
-            timeline, live, _ = min(runs, key=lambda run: bubble_fraction(run[0]))
-            # the formula ignores messages: on a loaded CPU host a hop costs a few ms against 30 ms stages
-            figure_ok &= all(run[2] for run in runs) and abs(bubble_fraction(timeline) - formula) < 0.05
-            row += f" {bubble_fraction(timeline):>7.3f} {f'({live})':>6}"
-            if M == 8:
-                print0(f"{name}, P={P} M={M}, measured (a column = one forward, {t * 1e3:.0f} ms):\n"
-                       f"{timeline_picture(timeline, unit=t)}")
-        rows.append(f"{row} {formula:>14.3f}")
-    print0("measured bubble beside the formula; (live): stage 0's peak of microbatches held\n"
-           f"{'M':>3} {'GPipe':>7} (live) {'1F1B':>7} (live) {'(P-1)/(M+P-1)':>14}\n" + "\n".join(rows))
-    if "--bench" in sys.argv:  # real compute: ours vs torch on the same split, timed in one run
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(2 * P)])
-        x, y = (torch.randn(256, 1024).to(device()) for _ in "xy")
-        times = against_torch(model.to(device()), x, y, steps=5)[1]
-        for name in SCHEDULES:
-            print0(f"bench {name:>5} P={P} M={2 * P}: " + ", ".join(
-                f"{who} {ms:.0f} ms/step" for (n, who), ms in times.items() if n == name))
+def demo(args) -> int:
+    P, M, w = launch.env_world_size(), args.microbatches, args.width
+    launch.require(w >= 1, "--width must be at least 1")
+    plans = schedules_for(SCHEDULES, P, M, args.chunks)
+    launch.setup()
+    launch.print0(f"P={P} M={M}, fp64: largest |difference| of loss and gradients from one process on the whole "
+                  f"batch; bytes rank 0 sent\n{'schedule':<16} {'mini_dist':>9} {'torch':>9} {'bytes':>7} "
+                  f"{'= M activations each way + one shape header per stage':>10}")
+    worst, bytes_ok = 0.0, True
+    for name, plan in plans.items():
+        torch.manual_seed(0)  # the same model and batch on every rank
+        model = nn.Sequential(*[m for _ in range(2 * P * plan.n_chunks) for m in (nn.Linear(w, w), nn.Tanh())])
+        model = model.to(launch.device(), torch.float64)
+        x, y = (torch.randn(3 * M, w, dtype=torch.float64, device=launch.device()) for _ in "xy")
+        ours, theirs, (stats,) = against_one_process(model, pipeline_chunks(model, None, plan.n_chunks), name, plan,
+                                                     x, y, trace=launch.VERBOSE and name == next(iter(plans)))
+        S, act, sent = P * plan.n_chunks, 3 * w * 8, stats.bytes_sent  # an activation: 3 rows of w fp64 numbers
+        formula = (P > 1) * sum((j < S - 1) * (M * act + 8 * HEADER_LEN) + (j > 0) * M * act
+                                for j in range(dist.get_rank(), S, P))
+        worst, bytes_ok = max(worst, ours, theirs), bytes_ok and sent == formula
+        launch.print0(f"{name + f' v={plan.n_chunks}' * (plan.n_chunks > 1):<16} {ours:>9.1e} {theirs:>9.1e} "
+                      f"{sent:>7,} = {formula:,}")
     # fp64 rounding differences are ~1e-16; a lost microbatch or a wrong 1/M would be >= 1e-3
-    return conclude("pipeline", worst < 1e-12, f"= torch pipelining = full batch (fp64, {worst:.0e})",
-                    figure_ok, "bubble within 0.05 of (P-1)/(M+P-1); live mb GPipe M, 1F1B min(M,P-s); bytes")
+    return launch.conclude("pipeline", worst < 1e-12, f"{len(plans)} schedules = torch = full batch (fp64, "
+                           f"{worst:.0e})", bytes_ok, "bytes sent = M activations each way + one header per stage")
 
 
 if __name__ == "__main__":
-    raise SystemExit(demo())
+    raise SystemExit(launch.main(parser(), demo))

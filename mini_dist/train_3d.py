@@ -1,10 +1,15 @@
 """3D parallelism: one tiny GPT trained with data x pipeline x tensor parallelism, equal to one process.
 
 The world is a dp x pp x tp grid of ranks (mini_dist.mesh). Each rank holds 1/tp of the weights (Megatron
-tensor parallelism) of 1/pp of the layers (a pipeline stage) and sees 1/dp of the global batch (a data-
-parallel replica, cut further into M microbatches). The model is written once: the same class builds the
-dense reference from PyTorch's layers or the tensor-parallel one from mini_dist's, with the same parameter
-names, so the parallel model starts as an exact shard of the dense one and must stay one, step after step.
+tensor parallelism) of 1/pp of the layers (a pipeline stage, or v chunks of an interleaved one) and sees
+1/dp of the global batch (a data-parallel replica, cut further into M microbatches). The model is written
+once: the same class builds the dense reference from PyTorch's layers or the tensor-parallel one from
+mini_dist's, with the same parameter names, so the parallel model starts as an exact shard of the dense
+one and must stay one, step after step.
+
+Data parallelism inside a pipeline: mini_dist.ddp's bucketed DistributedDataParallel wraps each chunk, and
+every weight-gradient computation but a chunk's last runs under its no_sync(): the gradients of all M
+microbatches are reduced once per step, during that last backward, while earlier stages still drain.
 
 Bytes one rank moves per step (b = its replica's batch = B/dp sequences, s tokens, h hidden, e bytes per
 element, L = transformer blocks on its stage):
@@ -12,23 +17,20 @@ element, L = transformer blocks on its stage):
     TP  (payload of each collective)  [4L + embedding + LM head] * b*s*h*e  +  3*b*s*e for the loss
         (2 all-reduces per block forward, 2 backward; the vocab-parallel embedding all-reduces forward and
         the LM head backward; the cross-entropy all-reduces a max and two sums per token)
-    PP  b*s*h*e to the next stage + b*s*h*e of gradient to the previous one (+ one shape header):
-        activations between neighbours only, whatever M is
-    DP  ring all-reduce of the stage's D gradient bytes: 2(N-1)/N * D (ZeRO-1: 3(N-1)*S*e, ZeRO-2:
-        2(N-1)*S*e with S = ceil(numel/N), see mini_dist.zero)
+    PP  b*s*h*e to the next stage + b*s*h*e of gradient to the previous one, per chunk (+ one shape
+        header): activations between neighbours only, whatever M is
+    DP  ring all-reduce of the stage's D gradient bytes, once per step: 2(N-1)/N * D (ZeRO-1:
+        3(N-1)*S*e, ZeRO-2: 2(N-1)*S*e with S = ceil(numel/N), see mini_dist.zero)
 
 so TP's bytes scale with the activations of every layer (keep it inside a node), PP's with one activation
-per stage boundary, DP's with the parameters, once per step.
+per stage boundary, DP's with the parameters. Demo (loss per step beside one process, bytes beside formulas):
 
-Demo (mesh picture, loss per step beside the single-process dense run, bytes per axis beside the formulas):
-
-    torchrun --standalone --nproc_per_node=4 mini_dist/train_3d.py --dp 2 --tp 2
-    torchrun --standalone --nproc_per_node=4 mini_dist/train_3d.py --pp 2 --tp 2 --microbatches 4 --zero 2
+    torchrun --standalone --nproc_per_node=8 mini_dist/train_3d.py --dp 2 --pp 2 --tp 2
+    torchrun --standalone --nproc_per_node=4 mini_dist/train_3d.py --pp 2 --tp 2 --schedule interleaved --chunks 2 --zero 2
 
 Mirrors Megatron-LM's 3D parallelism (tensor, pipeline, data) and torchtitan's composition of
-torch.distributed.tensor.parallel, torch.distributed.pipelining and FSDP on a DeviceMesh.
+torch.distributed.tensor.parallel, torch.distributed.pipelining and FSDP/DDP on a DeviceMesh.
 """
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,13 +42,15 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.ddp import NaiveDataParallel  # noqa: E402
-from mini_dist.launch import conclude, device, print0, setup  # noqa: E402
-from mini_dist.mesh import Mesh  # noqa: E402
-from mini_dist.pipeline import HEADER_LEN, SCHEDULES, balanced_split, pipeline_stage, pipeline_step  # noqa: E402
+from mini_dist import launch  # noqa: E402
+from mini_dist.comm import COUNTER  # noqa: E402
+from mini_dist.ddp import DistributedDataParallel  # noqa: E402
+from mini_dist.mesh import Mesh, grid_for  # noqa: E402
+from mini_dist.parallel_transformer import ParallelTransformerBlock, TransformerBlock  # noqa: E402
+from mini_dist.pipeline import HEADER_LEN, pipeline_step  # noqa: E402
+from mini_dist.pipeline_schedules import SCHEDULES, balanced_split, pipeline_chunks  # noqa: E402
 from mini_dist.ring_allreduce import LEDGER, ring_all_reduce  # noqa: E402
-from mini_dist.tensor_parallel import (COUNTER, ColumnParallelLinear, ParallelTransformerBlock,  # noqa: E402
-                                       TransformerBlock, shard_from_dense)
+from mini_dist.tensor_parallel import ColumnParallelLinear, shard_from_dense  # noqa: E402
 from mini_dist.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy  # noqa: E402
 from mini_dist.zero import Partition, ZeroOptimizer, bytes_sent_formula  # noqa: E402
 
@@ -150,73 +154,97 @@ class Run:
     bytes per axis per step, and what its formulas need."""
     losses: list
     bytes: list          # per step: {"dp": .., "tp": .., "pp": ..} sent (pp, dp) or reduced (tp) by this rank
-    layout: dict         # this rank's stage: transformer blocks, embedding?, head?
-    numel: int           # parameters (elements) of this rank's shard of its stage: D = numel * e
+    stages: list         # this rank's virtual stages j, one per chunk
+    layout: dict         # its chunks together: transformer blocks, embedding?, head?
+    numel: int           # parameters (elements) of this rank's shards: D = numel * e
     local_batch: int
-    peak_live: int       # most microbatches whose activations this stage held at once (GPipe M, 1F1B <= P-s)
+    peak_live: int       # most microbatches x chunks whose activations this rank held at once
 
 
-def check_degrees(cfg: Config, mesh: Mesh, microbatches: int) -> None:
-    """Raised identically on every rank (everything here is known everywhere) before anyone blocks."""
-    if cfg.batch % (mesh.grid.dp * microbatches):
-        raise ValueError(f"the global batch {cfg.batch} must split into dp={mesh.grid.dp} replicas x "
-                         f"{microbatches} microbatches: choose a batch divisible by {mesh.grid.dp * microbatches}")
-    if cfg.vocab % mesh.grid.tp:
-        raise ValueError(f"vocab {cfg.vocab} is not divisible by tp={mesh.grid.tp}: use padded_vocab(tp)")
+SCHEDULES_3D = ("gpipe", "1f1b", "interleaved")  # zero bubble: see configuration_error
+
+
+def configuration_error(cfg: Config, dims: tuple, microbatches: int, schedule: str, chunks: int) -> str | None:
+    """Why (dp, pp, tp) and the rest cannot run, in one sentence that says what to change, or None.
+    Everything here is known on every rank before any collective (the demo asks before setup)."""
+    dp, pp, tp = dims
+    if cfg.hidden % cfg.heads or cfg.heads % tp:
+        heads = -(-cfg.heads // tp) * tp
+        return (f"--heads {cfg.heads} must divide --hidden {cfg.hidden} and be a multiple of --tp {tp} (each "
+                f"tensor-parallel rank owns whole heads): try --heads {heads} --hidden {-(-cfg.hidden // heads) * heads}")
+    if cfg.layers + 2 < pp * chunks:
+        return (f"--layers {cfg.layers} + embedding + head = {cfg.layers + 2} layers cannot fill {pp} stages x "
+                f"{chunks} chunk(s), one layer each at least: use --layers {pp * chunks - 2} or more, or fewer stages "
+                f"or chunks")
+    if cfg.batch % (dp * microbatches) or cfg.vocab % tp:
+        return (f"the global batch {cfg.batch} must split into dp={dp} replicas x {microbatches} microbatches and "
+                f"the vocabulary {cfg.vocab} into tp={tp} shards: use a multiple of each (padded_vocab(tp))")
+    if schedule not in SCHEDULES_3D:  # its W would rerun a transformer block's all-reduces (see pipeline.py)
+        return f"{schedule} does not run a transformer block's weight gradients alone: use one of {SCHEDULES_3D}"
+    try:
+        SCHEDULES[schedule](pp, microbatches, chunks)
+    except ValueError as e:
+        return str(e)
+
+
+DP_BUCKET_MB = 1 / 32  # 32 KiB: a few buckets per stage of the tiny GPT
 
 
 def train_3d(cfg: Config, mesh: Mesh, steps: int, microbatches: int = 1, schedule: str = "gpipe",
-             zero: int = 0) -> Run:
-    check_degrees(cfg, mesh, microbatches)
-    P, dp, dev = mesh.grid.pp, mesh.grid.dp, device()
+             zero: int = 0, chunks: int = 1) -> Run:
+    grid = mesh.grid
+    problem = configuration_error(cfg, (grid.dp, grid.pp, grid.tp), microbatches, schedule, chunks)
+    if problem:
+        raise ValueError(problem)
+    P, dp, dev = grid.pp, grid.dp, launch.device()
     dense = dense_model(cfg)
     model = shard_from_dense(tiny_gpt(cfg, True, mesh.tp_group, dev), dense, mesh.tp_group)
     # Cut where the dense model would be cut: every TP rank of a stage must hold the same layers
-    sizes = balanced_split([1 + sum(p.numel() for p in layer.parameters()) for layer in dense], P)
-    stage = pipeline_stage(model, mesh.pp_group, sizes)
+    sizes = balanced_split([1 + sum(p.numel() for p in layer.parameters()) for layer in dense], P * chunks)
+    stage = pipeline_chunks(model, mesh.pp_group, chunks, sizes)
+    params = nn.ModuleList(stage).named_parameters()
+    no_sync = None
     if zero:
-        optimizer = ZeroOptimizer(stage.named_parameters(), torch.optim.Adam, stage=zero, group=mesh.dp_group,
-                                  collectives="ring", lr=cfg.lr)
-    else:  # NaiveDataParallel syncs when told: once per step, after all M microbatches' backwards
-        replica = NaiveDataParallel(stage, group=mesh.dp_group, all_reduce=ring_all_reduce)
-        optimizer = torch.optim.Adam(stage.parameters(), lr=cfg.lr)
+        optimizer = ZeroOptimizer(params, torch.optim.Adam, stage=zero, group=mesh.dp_group, collectives="ring",
+                                  lr=cfg.lr)
+    else:
+        optimizer = torch.optim.Adam([p for _, p in params], lr=cfg.lr)
+        if dp > 1:  # a few buckets per chunk, so that reducing starts while its last backward still runs
+            replicas = [DistributedDataParallel(c, DP_BUCKET_MB, mesh.dp_group, ring_all_reduce) for c in stage]
+            no_sync = [replica.no_sync for replica in replicas]
 
     def loss_fn(logits, targets):  # the mean over a microbatch, from each rank's V/tp logits
         return vocab_parallel_cross_entropy(logits, targets, mesh.tp_group).mean()
-    b = cfg.batch // dp
-    last = mesh.pp_rank == P - 1
+    b, plan = cfg.batch // dp, SCHEDULES[schedule](P, microbatches, chunks)
     losses, sent, peak = [], [], 0
     for step in range(steps):
         ids, targets = (t[mesh.dp_rank * b:(mesh.dp_rank + 1) * b].to(dev) for t in get_batch(cfg, step))
         COUNTER.reset()
         LEDGER.reset()
-        loss, stats = pipeline_step(stage, SCHEDULES[schedule](P, microbatches), ids, targets, loss_fn,
-                                    mesh.pp_group)
-        if not zero:
-            replica.sync_gradients()
+        loss, stats = pipeline_step(stage, plan, ids, targets, loss_fn, mesh.pp_group, no_sync)
         optimizer.step()
         optimizer.zero_grad()
         sent.append({"dp": LEDGER.sent, "tp": sum(COUNTER.bytes.values()), "pp": stats.bytes_sent})
         peak = max(peak, stats.peak_live)
         # the replicas' mean loss, to every rank (one TP rank per last stage speaks); not counted above
+        last = mesh.pp_rank == P - 1
         mine = torch.tensor([loss.item() / dp if last and mesh.tp_rank == 0 else 0.0], dtype=torch.float64, device=dev)
         dist.all_reduce(mine)
         losses.append(mine.item())
-    layout = {"blocks": sum(isinstance(m, ParallelTransformerBlock) for m in stage),
-              "embedding": isinstance(stage[0], Embedding), "head": isinstance(stage[-1], Head)}
-    return Run(losses, sent, layout, sum(p.numel() for p in stage.parameters()), b, peak)
+    layout = {"blocks": sum(isinstance(m, ParallelTransformerBlock) for c in stage for m in c),
+              "embedding": isinstance(stage[0][0], Embedding), "head": isinstance(stage[-1][-1], Head)}
+    stages = [c * P + mesh.pp_rank for c in range(chunks)]
+    return Run(losses, sent, stages, layout, sum(p.numel() for c in stage for p in c.parameters()), b, peak)
 
 
-def formulas(run: Run, cfg: Config, mesh: Mesh, zero: int) -> dict:
-    """What this rank should move per step, from the formulas in the docstring. DP with a plain ring
-    all-reduce is the one exception: its chunks may be uneven, so the formula holds for the sum over
-    the DP group, 2(N-1) * D (mean 2(N-1)/N * D); the caller sums over the group."""
-    e, (T, P, N) = torch.finfo(cfg.dtype).bits // 8, (mesh.grid.tp, mesh.grid.pp, mesh.grid.dp)
-    lay, s = run.layout, mesh.pp_rank
+def formulas(run: Run, cfg: Config, grid, zero: int) -> dict:
+    """What this rank should move per step (the docstring's formulas). A plain ring all-reduce's chunks may be
+    uneven: its DP formula, 2(N-1) * D, holds for the sum over the DP group, which the caller takes."""
+    e, (T, P, N), lay = torch.finfo(cfg.dtype).bits // 8, (grid.tp, grid.pp, grid.dp), run.layout
     bs = run.local_batch * cfg.seq * e
-    bsh = bs * cfg.hidden
+    bsh, S = bs * cfg.hidden, P * len(run.stages)
     tp = (T > 1) * ((4 * lay["blocks"] + lay["embedding"] + lay["head"]) * bsh + 3 * bs * lay["head"])
-    pp = bsh * ((s < P - 1) + (s > 0)) + 8 * HEADER_LEN * (s < P - 1)
+    pp = (P > 1) * sum(bsh * ((j < S - 1) + (j > 0)) + 8 * HEADER_LEN * (j < S - 1) for j in run.stages)
     if zero:
         dp = bytes_sent_formula(zero, Partition(("stage",), (torch.Size([run.numel]),), N), e)
     else:
@@ -224,55 +252,69 @@ def formulas(run: Run, cfg: Config, mesh: Mesh, zero: int) -> dict:
     return {"dp": dp, "tp": tp, "pp": pp}
 
 
-def demo() -> int:
-    parser = argparse.ArgumentParser(description="train a tiny GPT with DP x PP x TP")
-    for axis in ("dp", "pp", "tp"):
-        parser.add_argument(f"--{axis}", type=int, default=None)
-    parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
-    parser.add_argument("--zero", type=int, choices=(0, 1, 2), default=0)
-    parser.add_argument("--steps", type=int, default=5)
-    args = parser.parse_args()
-    env = setup()
-    world, M = env.world_size, args.microbatches
-    # degrees not given: tp 2 and pp 2 where the world allows, dp the rest
-    tp = args.tp or (2 if world % (2 * (args.pp or 1) * (args.dp or 1)) == 0 else 1)
-    pp = args.pp or (2 if world % (2 * tp * (args.dp or 1)) == 0 else 1)
-    dp = args.dp or world // (tp * pp)
+def parser():
+    p = launch.demo_parser(__doc__)
+    for axis, what in (("dp", "data-parallel replicas"), ("pp", "pipeline stages"), ("tp", "tensor-parallel ranks")):
+        p.add_argument(f"--{axis}", type=int, default=None, help=f"{what} (default: tp 2, pp 2 where the world "
+                                                                  "allows, dp the rest)")
+    p.add_argument("--microbatches", type=int, default=2, help="M per replica; the global batch grows to a "
+                                                               "multiple of dp x M")
+    p.add_argument("--schedule", choices=SCHEDULES_3D, default="1f1b")
+    p.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0, help="ZeRO stage on the DP axis (0: DDP)")
+    p.add_argument("--steps", type=int, default=5)
+    for name in ("layers", "hidden", "heads"):
+        p.add_argument(f"--{name}", type=int, default=getattr(Config, name), help=f"the model's {name}")
+    return p
+
+
+def demo(args) -> int:
+    world, M = launch.env_world_size(), args.microbatches
+    grid = grid_for(world, args.dp, args.pp, args.tp, default_pp=2)
+    launch.require(M >= 1 and args.chunks >= 1 and args.steps >= 1 and min(args.layers, args.hidden, args.heads) >= 1,
+                   "--microbatches, --chunks, --steps, --layers, --hidden and --heads must be at least 1")
+    dp, pp, tp = grid.dp, grid.pp, grid.tp
+    cfg = Config(vocab=padded_vocab(tp), layers=args.layers, hidden=args.hidden, heads=args.heads,
+                 batch=-(-8 // (dp * M)) * dp * M)  # >= 8, divisible by dp * M
+    problem = configuration_error(cfg, (dp, pp, tp), M, args.schedule, args.chunks)
+    launch.require(problem is None, problem)
+    launch.setup()
     mesh = Mesh(dp, pp, tp)
-    cfg = Config(vocab=padded_vocab(tp), batch=-(-8 // (dp * M)) * dp * M)  # >= 8, divisible by dp * M
-    print0(f"{mesh.grid.picture()}\ntiny GPT: {cfg.layers} blocks, h={cfg.hidden}, {cfg.heads} heads, "
-           f"s={cfg.seq}, V={cfg.vocab} ({len(CHARS)} chars padded to a multiple of tp), global batch "
-           f"{cfg.batch}, M={args.microbatches} {args.schedule}, {'ZeRO-%d' % args.zero if args.zero else 'DDP'}"
-           f", Adam, fp64")
-    run = train_3d(cfg, mesh, args.steps, args.microbatches, args.schedule, args.zero)
+    dp_axis = "" if dp == 1 else f"; DP over {dp} replicas: " + (
+        f"ZeRO-{args.zero}" if args.zero else "DDP, gradients reduced once per step during the last backward")
+    launch.print0(f"{grid.picture()}\ntiny GPT: {cfg.layers} blocks, h={cfg.hidden}, {cfg.heads} heads, s={cfg.seq}, "
+                  f"V={cfg.vocab} ({len(CHARS)} chars padded to a multiple of tp); {args.schedule}"
+                  f"{f' x {args.chunks} chunks' if args.chunks > 1 else ''}{dp_axis}; Adam, fp64\n"
+                  f"global batch {cfg.batch} sequences = dp {dp} x M {M} x {cfg.batch // (dp * M)} (at least 8, a "
+                  f"multiple of dp x M: --microbatches changes it)")
+    run = train_3d(cfg, mesh, args.steps, M, args.schedule, args.zero, args.chunks)
     reference = train_dense(cfg, args.steps)
-    print0(f"{'step':>4} {'loss dp x pp x tp':>18} {'loss 1 process':>16} {'|diff|':>8}")
+    launch.print0(f"{'step':>4} {'loss dp x pp x tp':>18} {'loss 1 process':>16} {'|diff|':>8}")
     for step, (a, b) in enumerate(zip(run.losses, reference)):
-        print0(f"{step:>4} {a:>18.12f} {b:>16.12f} {abs(a - b):>8.1e}")
+        launch.print0(f"{step:>4} {a:>18.12f} {b:>16.12f} {abs(a - b):>8.1e}")
     # fp64: the runs differ only in the order of their sums (TP partial sums, DP averages, microbatch
     # sums, attention kernels): a few ulps of a loss ~3 (ulp 4.4e-16), measured <= 3.1e-15. 1e-13 leaves
     # room and still catches any wrong gradient, which moves the next loss by ~lr = 1e-2.
     worst = max(abs(a - b) for a, b in zip(run.losses, reference))
-    want, got = formulas(run, cfg, mesh, args.zero), run.bytes[-1]
+    want, got = formulas(run, cfg, grid, args.zero), run.bytes[-1]
     if not args.zero:  # the ring's chunks may be uneven: its formula holds for the DP group's sum
-        got = dict(got, dp=_sum(got["dp"], mesh.dp_group))
+        got = dict(got, dp=total(got["dp"], mesh.dp_group))
     exact = all(got[a] == want[a] for a in want)
-    total = {a: _sum(run.bytes[-1][a]) for a in want}  # over all ranks; each rank was checked on its own
-    formula = {a: _sum(want[a]) // (dp if a == "dp" and not args.zero else 1) for a in want}
-    text = {"dp": "ring " + ("3(N-1)S*e" if args.zero == 1 else "2(N-1)S*e" if args.zero else "2(N-1)/N*D"),
+    everyone = {a: total(run.bytes[-1][a]) for a in want}  # over all ranks; each rank was checked on its own
+    formula = {a: total(want[a]) // (dp if a == "dp" and not args.zero else 1) for a in want}
+    text = {"dp": "ring " + ("3(N-1)S*e" if args.zero == 1 else "2(N-1)S*e" if args.zero else "2(N-1)/N*D, once"),
             "tp": "(4L + emb + head)*bsh*e + 3bs*e", "pp": "bsh*e to each neighbour + header"}
-    print0("bytes/step, all ranks: " + " | ".join(f"{a.upper()} {total[a]:,} = {text[a]} = {formula[a]:,}"
-                                                  for a in want))
-    return conclude("train_3d", worst <= 1e-13, f"{dp}x{pp}x{tp} loss = 1 process ({worst:.0e})", exact,
-                    "bytes per axis = formulas")
+    launch.print0("bytes/step, all ranks: " + " | ".join(f"{a.upper()} {everyone[a]:,} = {text[a]} = {formula[a]:,}"
+                                                         for a in want if {"dp": dp, "pp": pp, "tp": tp}[a] > 1))
+    return launch.conclude("train_3d", worst <= 1e-13, f"{dp}x{pp}x{tp} loss = 1 process ({worst:.0e})", exact,
+                           "bytes per axis = formulas")
 
 
-def _sum(value: int, group=None) -> int:
-    t = torch.tensor([value], dtype=torch.int64, device=device())
+def total(value: int, group=None) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=launch.device())
     dist.all_reduce(t, group=group)
     return int(t.item())
 
 
 if __name__ == "__main__":
-    raise SystemExit(demo())
+    raise SystemExit(launch.main(parser(), demo))

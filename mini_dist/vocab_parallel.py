@@ -18,10 +18,10 @@ d loss / d z_j = softmax_j - [j = target] needs only the local softmax and the o
 
 Demo (checks against nn.Embedding + F.cross_entropy, prints bytes per token beside the naive all-gather):
 
-    torchrun --standalone --nproc_per_node=4 mini_dist/vocab_parallel.py
+    torchrun --standalone --nproc_per_node=4 mini_dist/vocab_parallel.py [--vocab 1200 --hidden 32]
 
 Mirrors: nn.Embedding and F.cross_entropy, split the way Megatron-LM's VocabParallelEmbedding and
-vocab_parallel_cross_entropy split them. The f/g operators and layers come from tensor_parallel.py.
+vocab_parallel_cross_entropy split them. The g operator comes from comm.py, the layers from tensor_parallel.py.
 """
 import copy
 import sys
@@ -35,8 +35,9 @@ import torch.nn.functional as F
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import launch  # noqa: E402
-from mini_dist.tensor_parallel import (COUNTER, ColumnParallelLinear, _all_reduce, _check_divisible,  # noqa: E402
-                                       _param, g, gather_from_tp, gather_to_dense, reduce_scatter_to_sp,
+from mini_dist.comm import (COUNTER, agree, all_reduce, check_divisible, g, gather_from_tp,  # noqa: E402
+                            reduce_scatter_to_sp)
+from mini_dist.tensor_parallel import (ColumnParallelLinear, Layout, gather_to_dense, parameter,  # noqa: E402
                                        shard_from_dense, tp_size)
 
 
@@ -48,13 +49,15 @@ class VocabParallelEmbedding(nn.Module):
                  dtype=None):
         super().__init__()
         T = tp_size(group)
-        _check_divisible("num_embeddings (vocabulary)", num_embeddings, T,
+        check_divisible("num_embeddings (vocabulary)", num_embeddings, T,
                          "pad the vocabulary to a multiple of T (Megatron pads to a multiple of 128*T)")
         self.num_embeddings, self.sequence_parallel, self.group = num_embeddings, sequence_parallel, group
         self.vocab_start = dist.get_rank(group) * (num_embeddings // T)
-        self.weight = _param((num_embeddings // T, embedding_dim), 0, device=device, dtype=dtype)
+        self.weight = parameter((num_embeddings // T, embedding_dim), device=device, dtype=dtype)
+        self.tp_layout = {"weight": Layout(0)}
 
     def forward(self, ids):
+        agree(type(self).__name__, (tuple(ids.shape), ids.dtype), self.group)  # MINI_DIST_DEBUG=1: same ids shape
         if ids.numel() and (ids.min() < 0 or ids.max() >= self.num_embeddings):
             raise ValueError(f"token ids must lie in [0, {self.num_embeddings}); got "
                              f"[{ids.min().item()}, {ids.max().item()}]")
@@ -64,18 +67,24 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_scatter_to_sp(out, self.group) if self.sequence_parallel else g(out, self.group)
 
 
+def naive_vocab_cross_entropy(logits, target, group=None):
+    """The naive way: all-gather the full [..., V] logits on every rank, then F.cross_entropy."""
+    full = gather_from_tp(logits, group)
+    return F.cross_entropy(full.flatten(0, -2), target.flatten(), reduction="none").view_as(target)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group):
         start = dist.get_rank(group) * logits.shape[-1]
         # softmax needs the max and the sum over the WHOLE vocabulary: all-reduce one number per token each
-        logits = logits - _all_reduce(logits.max(-1).values, -1, group, dist.ReduceOp.MAX).unsqueeze(-1)
+        logits = logits - all_reduce(logits.max(-1).values, group, dist.ReduceOp.MAX).unsqueeze(-1)
         local = target - start
         mine = (local >= 0) & (local < logits.shape[-1])
         local = torch.where(mine, local, 0)
         picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine  # target logit, on its owner
         exp = logits.exp()
-        picked, sum_exp = _all_reduce(torch.stack([picked, exp.sum(-1)]), -1, group)  # two sums, one collective
+        picked, sum_exp = all_reduce(torch.stack([picked, exp.sum(-1)]), group)  # two sums, one collective
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, mine)
         return sum_exp.log() - picked
 
@@ -87,14 +96,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits * grad.unsqueeze(-1), None, None
 
 
-def naive_vocab_cross_entropy(logits, target, group=None):
-    """The naive way: all-gather the full [..., V] logits on every rank, then F.cross_entropy."""
-    full = gather_from_tp(logits, group)
-    return F.cross_entropy(full.flatten(0, -2), target.flatten(), reduction="none").view_as(target)
-
-
 def vocab_parallel_cross_entropy(logits, target, group=None):
     """Per-token F.cross_entropy(full_logits, target, reduction='none') from this rank's V/T logits."""
+    agree("vocab_parallel_cross_entropy", (tuple(logits.shape), logits.dtype, tuple(target.shape)), group)
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} must agree "
                          "on every dim but the last (vocabulary / T)")
@@ -103,20 +107,30 @@ def vocab_parallel_cross_entropy(logits, target, group=None):
 
 # ----- demo -----
 
-def demo() -> int:
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--batch", type=int, default=2, help="b, sequences per batch")
+    p.add_argument("--seq", type=int, default=24, help="s, tokens per sequence")
+    p.add_argument("--hidden", type=int, default=32, help="h, the embedding width")
+    p.add_argument("--vocab", type=int, default=1200, help="V, the vocabulary (cut T ways)")
+    return p
+
+
+def demo(args) -> int:
+    T = launch.env_world_size()
+    batch, seq, h, V = args.batch, args.seq, args.hidden, args.vocab
+    launch.require(min(batch, seq, h, V) >= 1, "--batch, --seq, --hidden and --vocab must be at least 1")
+    launch.require(V % T == 0, f"a vocabulary of {V} cannot be cut into {T} equal slices: pick --vocab a "
+                   f"multiple of {T} (Megatron pads it to a multiple of 128*T)")
     env = launch.setup()
-    T, dev, f64 = env.world_size, env.device, torch.float64
-    batch, seq, h, V = 2, 24, 32, 1200  # V = 1200 splits evenly for T = 1 .. 6
-    if V % T:
-        launch.print0(f"the demo splits a vocabulary of {V}: run it on 1 to 6 ranks")
-        return launch.conclude("vocab_parallel", False, f"T={T} does not divide V={V}", False, "")
+    dev, f64 = env.device, torch.float64
     dense = nn.Sequential(nn.Embedding(V, h), nn.Linear(h, V, bias=False)).to(dev, f64)
     ids = torch.randint(0, V, (batch, seq), device=dev)  # the same on every rank: setup() seeds them alike
     target = torch.randint(0, V, (batch, seq), device=dev)
     dense_loss = F.cross_entropy(dense(ids).flatten(0, 1), target.flatten(), reduction="none").view_as(target)
     dense_loss.mean().backward()
     worst, sent = 0.0, []
-    for loss_fn in (vocab_parallel_cross_entropy, naive_vocab_cross_entropy):
+    for loss_fn in (naive_vocab_cross_entropy, vocab_parallel_cross_entropy):
         model = shard_from_dense(nn.Sequential(VocabParallelEmbedding(V, h, device=dev, dtype=f64),
                                                ColumnParallelLinear(h, V, False, device=dev, dtype=f64)), dense)
         logits = model(ids)
@@ -129,15 +143,15 @@ def demo() -> int:
         gathered = gather_to_dense(model, copy.deepcopy(dense))
         pairs = [(loss, dense_loss)] + [(p.grad, q.grad) for p, q in zip(gathered.parameters(), dense.parameters())]
         worst = max([worst] + [(a - b).abs().max().item() for a, b in pairs])
-    want = [3 * 8, V * 8]  # fp64: 8 bytes an element
-    launch.print0(f"nn.Embedding({V}, {h}) + F.cross_entropy over {batch * seq} tokens, V split {T} ways, fp64: "
-                  f"max |parallel - dense| (per-token loss, weight grads) = {worst:.1e}")
-    launch.print0(f"bytes per token: vocab-parallel {sent[0]:g} all-reduced (formula 3 x 8 = {want[0]} if T > 1), "
-                  f"naive {sent[1]:g} all-gathered (formula V x 8 = {want[1]} if T > 1)")
+    want = [V * 8, 3 * 8]  # fp64: 8 bytes an element
+    launch.print0(f"nn.Embedding({V}, {h}) + F.cross_entropy over {batch * seq} tokens, V/T = {V // T} rows per "
+                  f"rank, T={T}, fp64: max |parallel - dense| (per-token loss, weight grads) = {worst:.1e}")
+    launch.print0(f"bytes per token: naive {sent[0]:g} all-gathered (formula V x 8 = {want[0]}), vocab-parallel "
+                  f"{sent[1]:g} all-reduced (formula 3 x 8 = {want[1]})" + ("; one rank sends nothing" * (T == 1)))
     return launch.conclude("vocab_parallel", worst < 1e-12, f"= nn.Embedding + F.cross_entropy ({worst:.0e})",
                            sent == (want if T > 1 else [0, 0]),
-                           f"{sent[0]:g} B/token all-reduced vs {sent[1]:g} all-gathered")
+                           f"{sent[1]:g} B/token all-reduced vs {sent[0]:g} all-gathered")
 
 
 if __name__ == "__main__":
-    raise SystemExit(demo())
+    raise SystemExit(launch.main(parser(), demo))

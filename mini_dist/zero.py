@@ -17,18 +17,14 @@ DDP does), stage 2 frees the full gradients instead; step the own shard; all-gat
 Each ring reduce-scatter or all-gather sends (K-1)*S*b bytes per rank (b bytes per element), so a step
 sends 2(K-1)S*b (DDP), 3(K-1)S*b (ZeRO-1) and 2(K-1)S*b (ZeRO-2). ZeRO-2 moves exactly as much as DDP,
 not less: the reduce-scatter saves half of the all-reduce and the parameter all-gather spends it again
-(the paper, Sec. 7.2.1: Psi + Psi = 2 Psi, as in DP). ZeRO-1 that all-reduces moves 1.5x DP, as
-DeepSpeed's first ZeRO-1 did; it could reduce-scatter too, but then replicas no longer hold full grads.
+(the paper, Sec. 7.2.1: Psi + Psi = 2 Psi, as in DP).
 
-Demo (equivalence with DDP and ZeroRedundancyOptimizer, then bytes and memory per stage vs formulas):
-
-    torchrun --standalone --nproc_per_node=4 mini_dist/zero.py [--bench]
+    torchrun --standalone --nproc_per_node=4 mini_dist/zero.py [--steps 3] [--widths 19 60 60]
 
 Mirrors torch.distributed.optim.ZeroRedundancyOptimizer (stage 1, sharded by whole parameters) and
 DeepSpeed's ZeRO stages 1 and 2 (flat, padded, equal shards, as here).
 """
 import sys
-import time
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -38,9 +34,12 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/zero.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import launch  # noqa: E402
+from mini_dist import launch, sharded_state  # noqa: E402
+from mini_dist.ring_allreduce import LEDGER, ring_all_gather, ring_reduce_scatter  # noqa: E402
+from mini_dist.sharded_state import copy_settings, settings  # noqa: E402
 
 HALF = (torch.float16, torch.bfloat16)
+PASSES = {0: 2, 1: 3, 2: 2}  # ring passes of (K-1)*S*b bytes per step: reduce-scatter, all-gathers
 
 
 @dataclass(frozen=True)
@@ -109,65 +108,75 @@ def _problem(params: list, stage: int, collectives: str):
     return None
 
 
-class ZeroOptimizer:
-    """Any torch.optim optimizer, sharded: stage 0 = plain data parallel, 1 shards its state, 2 also grads.
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Any element-wise torch.optim optimizer (SGD, Adam, AdamW, ...), sharded: stage 0 = plain data
+    parallel, 1 shards its state, 2 also the gradients. A torch.optim.Optimizer itself: parameter groups
+    ([{"params": ..., "weight_decay": 0}, ...]) and LR schedulers work, as with ZeroRedundancyOptimizer.
 
-    params: parameters or (name, parameter) pairs (names label the printed partition); those that require
-    grad must share one dtype and device, and become views of one flat vector. Half-precision parameters
+    The parameters that require grad (of one dtype and device) become views of one flat padded vector,
+    group after group, so that each rank's shard is one slice of it and the updated shards are gathered
+    straight into the model (ZeroRedundancyOptimizer does the same with parameters_as_bucket_view=True).
+    They stay the model's parameters, usable as before; replacing one's .data later (p.data = ..., or
+    model.to(...)) would detach it from the optimizer, so step() refuses it. Half-precision parameters
     get an fp32 master copy of the own shard, which the optimizer steps. A parameter without a gradient
-    counts as a zero gradient (the shard is stepped as one tensor). collectives: "native"
-    (torch.distributed) or "ring" (mini_dist.ring_allreduce, whose LEDGER counts every byte sent).
-    Wrap the bare model, not a DDP one: step() averages the gradients itself. Stage 2 frees the full
-    gradients once backward has made them all; real ZeRO-2 reduce-scatters bucket by bucket during
-    backward, so that they never all exist at once.
+    counts as a zero gradient. collectives: "native" (torch.distributed) or "ring" (ring_allreduce, whose
+    LEDGER counts every byte). Wrap the bare model, not a DDP one: step() averages the gradients itself.
+    Stage 2 frees the full gradients once backward has made them all; real ZeRO-2 reduce-scatters bucket
+    by bucket during backward, so that they never all exist at once.
     """
 
     def __init__(self, params, optimizer_class, stage: int = 1, group=None, collectives: str = "native",
-                 **optimizer_kwargs):
-        named = [x if isinstance(x, tuple) else (f"p{i}", x) for i, x in enumerate(params)]
-        named = [(n, p) for n, p in named if p.requires_grad]
+                 **defaults):
+        super().__init__(params, defaults)
         if dist.get_rank(group) < 0:
             raise ValueError("this rank is not in `group`: create the ZeroOptimizer only on its ranks")
-        self.params, self.stage, self.group = [p for _, p in named], stage, group
+        self.stage, self.group, self.collectives = stage, group, collectives
         self.rank, world = dist.get_rank(group), dist.get_world_size(group)
+        named = [(n, p) for g in self.param_groups
+                 for n, p in zip(g.get("param_names") or [None] * len(g["params"]), g["params"])]
+        named = [(n or f"p{i}", p) for i, (n, p) in enumerate(named) if p.requires_grad]
+        self.params = [p for _, p in named]
         # Every rank learns every rank's problems and model size first: all raise together, none hangs.
-        mine = (_problem(self.params, stage, collectives), sum(p.numel() for p in self.params), len(named),
-                stage)
+        sizes = [sum(p.numel() for p in g["params"] if p.requires_grad) for g in self.param_groups]
+        mine = (_problem(self.params, stage, collectives), sum(sizes), len(named), stage, sizes)
         everyone = [None] * world
         dist.all_gather_object(everyone, mine, group=group)
         for r, (problem, *model) in enumerate(everyone):
             if problem:
                 raise ValueError(f"rank {r}: {problem}")
             if tuple(model) != everyone[0][1:]:
-                (n0, p0, s0), (n, p, s) = everyone[0][1:], model
-                raise ValueError(f"ranks disagree: rank 0 has {n0} elements in {p0} parameters (stage {s0}), "
-                                 f"rank {r} has {n} in {p} (stage {s}); pass the same model and stage")
+                (n0, p0, s0, g0), (n, p, s, g) = everyone[0][1:], model
+                raise ValueError(f"ranks disagree: rank 0 has {n0} elements in {p0} parameters (stage {s0}, "
+                                 f"groups {g0}), rank {r} has {n} in {p} (stage {s}, groups {g}); pass the "
+                                 f"same model, groups and stage")
         self.partition = Partition(tuple(n for n, _ in named), tuple(p.shape for p in self.params), world)
+        self.span = dict(zip(self.params, self.partition.spans))
         self.flat = flatten_into_buffer(self.params, self.partition)
-        everything = (0, self.partition.padded_numel)
-        self.lo, self.hi = everything if stage == 0 else self.partition.shard(self.rank)
+        self.lo, self.hi = (0, self.partition.padded_numel) if stage == 0 else self.partition.shard(self.rank)
         own = self.flat[self.lo:self.hi]
         # The paper's K = 12 bytes: for half params the optimizer steps fp32 master weights of the shard.
         self.has_master = own.dtype in HALF
         self.master = own.float() if self.has_master else own
-        self.optimizer = optimizer_class([self.master], **optimizer_kwargs)
+        # Each group is one stretch of the flat vector (the padding joins the last): its part of my shard
+        # is one slice, which the inner optimizer steps with the group's settings.
+        ends = [*accumulate(sizes)][:-1] + [self.partition.padded_numel]
+        clip = lambda x: min(max(x, self.lo), self.hi) - self.lo
+        self.ranges = [(clip(a), clip(b)) for a, b in zip([0] + ends[:-1], ends)]
+        self.slices = [self.master[a:b] for a, b in self.ranges]
+        self.optimizer = optimizer_class([{**settings(g), "params": [s]} for g, s in zip(self.param_groups,
+                                                                                        self.slices)], **defaults)
+        self.defaults.update(self.optimizer.defaults)  # the inner optimizer's defaults (betas, ...): schedulers
+        copy_settings(self.optimizer.param_groups, self.param_groups)  # read them here
         self.grad = None  # the averaged gradient kept after a step: full (stages 0, 1) or own shard (2)
-        if collectives == "ring":
-            from mini_dist.ring_allreduce import ring_all_gather, ring_reduce_scatter
-            self._reduce_scatter, self._all_gather = ring_reduce_scatter, ring_all_gather
-        else:
-            self._reduce_scatter, self._all_gather = dist.reduce_scatter_single, dist.all_gather_single
 
-    @property
-    def param_groups(self) -> list:
-        return self.optimizer.param_groups  # change the learning rate here, as with any optimizer
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "partition"):  # torch.optim.Optimizer's constructor calls this for every group
+            raise RuntimeError("ZeroOptimizer cannot add a param group after construction: every rank's "
+                               "shard would move; build a new ZeroOptimizer over all the groups")
+        super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+        super().zero_grad(set_to_none)
         self.grad = None
 
     @torch.no_grad()
@@ -176,99 +185,86 @@ class ZeroOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        flat_grad = torch.zeros_like(self.flat)  # zeros: the padding, and parameters without a gradient
-        for p, (a, b) in zip(self.params, self.partition.spans):
-            if p.grad is not None:
-                flat_grad[a:b].copy_(p.grad.reshape(-1))
-        shard_grad = torch.empty(self.partition.shard_size, dtype=self.flat.dtype, device=self.flat.device)
-        self._reduce_scatter(shard_grad, flat_grad, op=dist.ReduceOp.AVG, group=self.group)
-        if self.stage < 2:  # finish the all-reduce: every replica holds the full average, as in DDP
-            self._all_gather(flat_grad, shard_grad, group=self.group)
+        k, S = self.partition.world_size, self.partition.shard_size
+        grad = torch.empty_like(self.flat)  # every element written below: no separate pass of zeros
+        grad[self.partition.numel:].zero_()  # the padding
+        for name, p, (a, b) in zip(self.partition.names, self.params, self.partition.spans):
+            if p.untyped_storage().data_ptr() != self.flat.untyped_storage().data_ptr():
+                raise RuntimeError(f"parameter {name}'s .data was replaced after the ZeroOptimizer was built: "
+                                   f"it no longer lives in the flat vector that the optimizer steps; cast or "
+                                   f"move the model first, then build the optimizer")
+            if p.grad is None:  # counts as zeros
+                grad[a:b].zero_()
+            else:  # divide on the way in, as DDP does: a sum of K gradients cannot overflow
+                torch.mul(p.grad.reshape(-1), 1.0 / k, out=grad[a:b])
+        mine = slice(self.rank * S, (self.rank + 1) * S)
+        if self.collectives == "ring":
+            shard = torch.empty(S, dtype=grad.dtype, device=grad.device)
+            ring_reduce_scatter(shard, grad, group=self.group)
+            if self.stage < 2:  # finish the all-reduce: every replica holds the full average, as in DDP
+                grad[mine] = shard
+                self._all_gather_in_place(grad)
+        elif self.stage < 2 or dist.get_backend(self.group) == "gloo":
+            # reduce-scatter + all-gather in one all_reduce, as DDP and ZeroRedundancyOptimizer do; on gloo
+            # stage 2 too: its reduce_scatter_single is an all-reduce and a copy (same bits, slower: measured)
+            dist.all_reduce(grad, group=self.group)
+            shard = grad[mine].clone() if self.stage == 2 else None
+        else:
+            shard = torch.empty(S, dtype=grad.dtype, device=grad.device)
+            dist.reduce_scatter_single(shard, grad, group=self.group)
+        if self.stage < 2:
             for p, (a, b) in zip(self.params, self.partition.spans):
-                p.grad = flat_grad[a:b].view_as(p)
-            self.grad = flat_grad[self.lo:self.hi]
+                p.grad = grad[a:b].view_as(p)
+            self.grad = grad[self.lo:self.hi]
         else:  # ZeRO-2: no rank keeps a full gradient, only the reduced shard it owns
             for p in self.params:
                 p.grad = None
-            self.grad = shard_grad
-        self.master.grad = self.grad.to(self.master.dtype)  # a copy only for half params (fp32 master)
+            self.grad = shard
+        master_grad = self.grad.to(self.master.dtype)  # a copy only for half params (fp32 master)
+        for s, (a, b) in zip(self.slices, self.ranges):
+            s.grad = master_grad[a:b]
+        copy_settings(self.param_groups, self.optimizer.param_groups)  # an LR scheduler's changes
         self.optimizer.step()
-        self.master.grad = None
-        own = self.flat[self.lo:self.hi]
+        copy_settings(self.optimizer.param_groups, self.param_groups)
+        for s in self.slices:
+            s.grad = None
         if self.has_master:
-            own.copy_(self.master)
-        if self.stage > 0:  # the input is cloned: it must not alias the output it is gathered into
-            self._all_gather(self.flat, own.clone(), group=self.group)
+            self.flat[self.lo:self.hi].copy_(self.master)
+        if self.stage > 0:
+            self._all_gather_in_place(self.flat)
         return loss
 
-    def state_dict(self, to: int = 0):
-        """Collective. Rank `to` (of the group) gets the whole optimizer state in torch.optim's format,
-        one entry per parameter, loadable by a plain optimizer over the same parameters; others get None."""
-        if not 0 <= to < self.partition.world_size:
-            raise ValueError(f"to={to} is not a rank of the group (0..{self.partition.world_size - 1})")
-        inner = self.optimizer.state_dict()
-        shard = dict(inner["state"].get(0, {}))
-        if self.has_master:
-            shard["master_param"] = self.master
-        full = {k: self._gather(v, to) for k, v in sorted(shard.items()) if _per_element(v)}
-        if self.rank != to:
-            return None
-        state = {i: {k: full[k][a:b].view(p.shape).clone() if k in full else _clone(v)
-                     for k, v in shard.items()}
-                 for i, (p, (a, b)) in enumerate(zip(self.params, self.partition.spans))}
-        group = {**inner["param_groups"][0], "params": list(range(len(self.params)))}
-        return {"state": state if shard else {}, "param_groups": [group]}
+    def _all_gather_in_place(self, flat: torch.Tensor) -> None:
+        """Slice r of `flat` (S elements) goes from rank r to every rank: the all-gather of the shards."""
+        S = self.partition.shard_size
+        if self.collectives == "ring":  # a copy: the input must not alias the output it is gathered into
+            ring_all_gather(flat, flat[self.rank * S:(self.rank + 1) * S].clone(), group=self.group)
+            return
+        # K broadcasts, each shard from its owner, as ZeroRedundancyOptimizer does: the same bytes as
+        # all_gather_single, which gloo runs 2-4x slower (measured in mini_dist/bench/data_parallel.py)
+        works = [dist.broadcast(flat[r * S:(r + 1) * S], group=self.group, group_src=r, async_op=True)
+                 for r in range(self.partition.world_size)]
+        for work in works:
+            work.wait()
 
-    def _gather(self, shard: torch.Tensor, to: int):
-        if self.stage == 0:
-            return shard  # every rank already holds all of it
-        k = self.partition.world_size
-        parts = [torch.empty_like(shard) for _ in range(k)] if self.rank == to else None
-        dist.gather(shard.contiguous(), parts, group=self.group, group_dst=to)
-        return torch.cat(parts) if parts else None
+    # Checkpoints: a plain optimizer's state dict per parameter, or this rank's shard alone. How the
+    # shards are cut and put together again is a lesson of its own: mini_dist/sharded_state.py.
+    def state_dict(self, to: int | None = None):
+        """Collective. The whole state in torch.optim's format for the same param groups (a plain optimizer
+        over them can load it), on every rank (to=None) or only on group rank `to` (the others get None)."""
+        return sharded_state.consolidated_state_dict(self, to)
 
     def load_state_dict(self, state_dict, src=None) -> None:
         """Each rank keeps its own shard of a consolidated state dict. With src (a group rank) only that
         rank needs to pass it (the others may pass None) and it is broadcast; else every rank passes it."""
-        if src is not None:
-            box = [state_dict]
-            dist.broadcast_object_list(box, group=self.group, group_src=src)
-            state_dict = box[0]
-        groups, state = state_dict["param_groups"], state_dict["state"]
-        ids = groups[0]["params"] if len(groups) == 1 else []
-        if len(ids) != len(self.params) or (state and any(i not in state for i in ids)):
-            raise ValueError(f"expected one param group of {len(self.params)} parameters, each with state; "
-                             f"got {[len(g['params']) for g in groups]} parameters in {len(groups)} groups")
-        if state and all(p.dim() == 0 for p in self.params):
-            raise ValueError("every parameter is 0-dim, so per-element state cannot be told from scalar "
-                             "counters such as Adam's step; give the model one parameter with dim >= 1")
-        keys = {k for i in ids for k, v in state.get(i, {}).items() if _per_element(v)}
-        shard = {}
-        for key, value in (state[ids[0]].items() if state else ()):
-            if key not in keys:
-                shard[key] = _clone(value)
-                continue
-            flat = torch.zeros(self.partition.padded_numel, dtype=value.dtype, device=self.flat.device)
-            for i, (p, (a, b)) in zip(ids, zip(self.params, self.partition.spans)):
-                if state[i][key].numel() != p.numel():
-                    raise ValueError(f"state {key!r} of parameter {i} has {state[i][key].numel()} elements, "
-                                     f"the parameter has {p.numel()}: the state dict is of another model")
-                flat[a:b] = state[i][key].reshape(-1)
-            shard[key] = flat[self.lo:self.hi].clone()  # a clone: a view would keep all of `flat` alive
-        master = shard.pop("master_param", None)
-        if self.has_master:
-            self.master.copy_(self.flat[self.lo:self.hi] if master is None else master)
-        self.optimizer.load_state_dict({"state": {0: shard} if shard else {},
-                                        "param_groups": [{**groups[0], "params": [0]}]})
+        sharded_state.load_consolidated_state_dict(self, state_dict, src)
 
+    def shard_state_dict(self) -> dict:
+        """This rank's shard only, no communication: what a sharded checkpoint saves per rank."""
+        return sharded_state.shard_state_dict(self)
 
-def _per_element(value) -> bool:
-    """Per-element state (exp_avg, momentum_buffer) has the parameter's shape; scalars (step) have none."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0
-
-
-def _clone(value):
-    return value.clone() if isinstance(value, torch.Tensor) else value
+    def load_shard_state_dict(self, shard: dict) -> None:
+        sharded_state.load_shard_state_dict(self, shard)
 
 
 # ----------------------------------------------------------------------------- ledgers and formulas
@@ -309,34 +305,32 @@ def memory_formula(stage: int, partition: Partition, param_bytes: int, state_byt
 def bytes_sent_formula(stage: int, partition: Partition, elem_bytes: int) -> int:
     """Ring bytes one rank sends per step: (K-1)*S*b per reduce-scatter or all-gather; stage 0 does 2
     (the gradient all-reduce), stage 1 3 (+ the parameter all-gather), stage 2 2 (no gradient gather)."""
-    one = (partition.world_size - 1) * partition.shard_size * elem_bytes
-    return {0: 2, 1: 3, 2: 2}[stage] * one
+    return PASSES[stage] * (partition.world_size - 1) * partition.shard_size * elem_bytes
 
 
 # ----------------------------------------------------------------------------- demo
 
-SIZES = (19, 60, 60)  # N = 60*20 + 60*61 = 4,860 divides by K = 1..5: no padding, formulas read exactly
 FORMULAS = {False: ("16N", "8N + 8N/K", "4N + 12N/K"), True: ("16N", "4N + 12N/K", "2N + 14N/K")}
 
 
-def _make(kind: str, dtype, stage: int = 1, sizes=SIZES, collectives: str = "ring") -> tuple:
-    """(model, what runs forward, optimizer): 'ddp' = native DDP + Adam, 'zro' = DDP +
-    ZeroRedundancyOptimizer(Adam), 'zero' = ZeroOptimizer(Adam) on the bare model."""
+def build(kind: str, widths, dtype, stage: int = 1, collectives: str = "ring"):
+    """(model, what runs forward, optimizer) for kind "ddp" (native DDP + Adam), "torch zero" (native DDP +
+    ZeroRedundancyOptimizer(Adam)) or "mini zero" (ZeroOptimizer(Adam) on the bare model)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)  # every rank builds the same initial model
-    layers = [m for a, b in zip(sizes, sizes[1:]) for m in (torch.nn.Linear(a, b), torch.nn.Tanh())]
+    layers = [m for a, b in zip(widths, widths[1:]) for m in (torch.nn.Linear(a, b), torch.nn.Tanh())]
     model = torch.nn.Sequential(*layers[:-1]).to(launch.device(), dtype)
-    if kind == "zero":
+    if kind == "mini zero":
         return model, model, ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage=stage,
                                            collectives=collectives, lr=1e-2)
     ddp = DDP(model)
-    opt = (torch.optim.Adam(ddp.parameters(), lr=1e-2) if kind == "ddp" else
-           ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=1e-2))
-    return model, ddp, opt
+    optimizer = (torch.optim.Adam(ddp.parameters(), lr=1e-2) if kind == "ddp" else
+                 ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=1e-2))
+    return model, ddp, optimizer
 
 
-def _train(model, forward, optimizer, steps: int) -> None:
+def train(model, forward, optimizer, steps: int) -> None:
     """Each rank its own batch; zero_grad comes first, so the last step's gradients stay live."""
     for t in range(steps):
         g = torch.Generator().manual_seed(1000 * t + dist.get_rank())
@@ -346,38 +340,45 @@ def _train(model, forward, optimizer, steps: int) -> None:
         optimizer.step()
 
 
-def demo() -> int:
-    from mini_dist.ring_allreduce import LEDGER
-    print0 = launch.print0
-    k, runs = launch.setup().world_size, {}
-    for kind, stage in [("ddp", 0), ("zro", 0), ("zero", 0), ("zero", 1), ("zero", 2)]:
-        runs[kind, stage] = _make(kind, torch.float64, stage)
-        _train(*runs[kind, stage], steps=3)
-    worst = max((p - q).abs().max().item() for s in (0, 1, 2) for ref in ("ddp", "zro")
-                for p, q in zip(runs["zero", s][0].parameters(), runs[ref, 0][0].parameters()))
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--steps", type=int, default=3, help="Adam steps of the equivalence check (fp64)")
+    p.add_argument("--widths", type=int, nargs="+", default=[19, 60, 60],
+                   help="MLP widths; the default's N = 4,860 divides by K = 1..5: no padding")
+    return p
+
+
+def demo(args) -> int:
+    launch.require(args.steps >= 1 and len(args.widths) >= 2 and min(args.widths) >= 1,
+                   "--steps must be >= 1 and --widths two or more numbers >= 1")
+    print0, (k, w) = launch.print0, (launch.setup().world_size, args.widths)
+    runs = {(kind, s): build(kind, w, torch.float64, s) for kind, s in
+            [("ddp", 0), ("torch zero", 0), ("mini zero", 0), ("mini zero", 1), ("mini zero", 2)]}
+    for run in runs.values():
+        train(*run, steps=args.steps)
+    worst = max((p - q).abs().max().item() for s in (0, 1, 2) for ref in ("ddp", "torch zero")
+                for p, q in zip(runs["mini zero", s][0].parameters(), runs[ref, 0][0].parameters()))
     equal = worst <= 1e-12  # fp64: only the order in which the K gradients are summed differs (~1e-16)
-    print0(f"{runs['zero', 1][2].partition}\n3 Adam steps in fp64, stages 0/1/2 vs native DDP and "
-           f"ZeroRedundancyOptimizer: max |diff| {worst:.1e} ({'PASS' if equal else 'FAIL'}: <= 1e-12)")
-    model, forward, adam = _make("ddp", torch.float32)
-    _train(model, forward, adam, 1)
+    print0(f"{runs['mini zero', 1][2].partition}\n{args.steps} Adam steps in fp64, stages 0/1/2 vs native DDP "
+           f"and ZeroRedundancyOptimizer: max |diff| {worst:.1e} ({'PASS' if equal else 'FAIL'}: <= 1e-12)")
+    model, forward, adam = build("ddp", w, torch.float32)
+    train(model, forward, adam, 1)
     ddp_bytes = sum(v for c, v in memory_ledger(model.parameters(), adam).items() if c != "scalars")
     n, exact, per_n, sent = sum(p.numel() for p in model.parameters()), True, {}, {}
     for half in (False, True):
         b, state_bytes = (2, 12) if half else (4, 8)  # 12 = fp32 master 4 + Adam 8
-        print0(f"\n{'bf16 params + fp32 master Adam' if half else 'fp32 Adam'}, K={k}, N={n:,} (rank 0 "
-               f"shown; every rank checked)\nstage | sent/step B = formula   |  params   grads   state | "
-               f"total B = formula")
+        print0(f"\n{'bf16 params + fp32 master Adam' if half else 'fp32 Adam'}, K={k}, N={n:,} (rank 0 shown; "
+               f"every rank checked)\nstage | sent/step B = formula   |  params   grads   state | total B = formula")
         for stage in (0, 1, 2):
-            model, forward, zero = _make("zero", torch.bfloat16 if half else torch.float32, stage)
-            _train(model, forward, zero, 1)
+            model, forward, zero = build("mini zero", w, torch.bfloat16 if half else torch.float32, stage)
+            train(model, forward, zero, 1)
             LEDGER.reset()
-            _train(model, forward, zero, 1)  # one step's bytes; the ledger right after it
+            train(model, forward, zero, 1)  # one step's bytes; the ledger right after it
             want = memory_formula(stage, zero.partition, b, state_bytes)
             got = [memory_ledger(model.parameters(), zero)[c] for c in want]
             sent[half, stage], per_n[half, stage] = LEDGER.sent, sum(got) / n
-            exact &= got == list(want.values())
-            exact &= LEDGER.sent == bytes_sent_formula(stage, zero.partition, b)
-            print0(f"{stage:<6}| {LEDGER.sent:>11,} = {'232'[stage]}(K-1)S*b | {got[0]:>7,} {got[1]:>7,} "
+            exact &= got == list(want.values()) and LEDGER.sent == bytes_sent_formula(stage, zero.partition, b)
+            print0(f"{stage:<6}| {LEDGER.sent:>11,} = {PASSES[stage]}(K-1)S*b | {got[0]:>7,} {got[1]:>7,} "
                    f"{got[2]:>7,} | {sum(got):>7,} = {FORMULAS[half][stage]} = {per_n[half, stage]:.2f}N")
     ratio = [sent[False, s] / max(1, sent[False, 0]) for s in (1, 2)]
     print0(f"\nnative DDP + Adam measures {ddp_bytes / n:.2f}N, as stage 0. " + (
@@ -385,28 +386,9 @@ def demo() -> int:
         f"gradient traffic, the parameter all-gather spends it again)" if k > 1 else "K=1 sends nothing.") +
         f"\nfp32 ZeRO-1 measures {per_n[False, 1]:.2f}N = 8N + 8N/K; the often-quoted 4N + 12N/K = "
         f"{per_n[True, 1]:.2f}N is the half-precision accounting (bf16 + fp32 master above)")
-    if "--bench" in sys.argv:  # ms per step in one run, native collectives, after a warm-up step
-        times = {}
-        for name, kind, stage in [("DDP + Adam", "ddp", 0), ("DDP + ZeroRedundancyOptimizer", "zro", 0),
-                                  ("ZeroOptimizer stage 1", "zero", 1), ("ZeroOptimizer stage 2", "zero", 2)]:
-            made = _make(kind, torch.float32, stage, (512, 1024, 1024, 512), collectives="native")
-            _train(*made, steps=1)
-            dist.barrier()
-            start = time.perf_counter()
-            _train(*made, steps=5)
-            if launch.device().type == "cuda":  # the last step's kernels may still run: wait for them
-                torch.cuda.synchronize()
-            dist.barrier()
-            times[name] = (time.perf_counter() - start) / 5
-        zro = times["DDP + ZeroRedundancyOptimizer"]
-        print0(f"\nbench: {sum(p.numel() for p in made[0].parameters()) / 1e6:.1f}M fp32 parameters, "
-               f"Adam, K={k}, native collectives, 5 steps after a warm-up" + "".join(
-                   f"\n  {name:<30} {t * 1e3:8.1f} ms/step  ({t / zro:.2f}x ZeroRedundancyOptimizer)"
-                   for name, t in times.items()))
     return launch.conclude("zero", equal, f"= DDP and ZeroRedundancyOptimizer ({worst:.0e})",
-                           exact and ddp_bytes == 16 * n,
-                           f"bytes, memory = formulas (ZeRO-2 {per_n[False, 2]:.2f}N)")
+                           exact and ddp_bytes == 16 * n, f"bytes, memory = formulas (ZeRO-2 {per_n[False, 2]:.2f}N)")
 
 
 if __name__ == "__main__":
-    raise SystemExit(demo())
+    raise SystemExit(launch.main(parser(), demo))

@@ -14,6 +14,28 @@ settings.register_profile("thorough", max_examples=200, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# A test that sets its own max_examples (a costly property, sized for the ci profile's 25) keeps that count
+# under ci; the other profiles scale it by the same factor they scale the default by, so `thorough` draws
+# 8x more examples of every property, not only of the cheap ones.
+SCALE = settings.default.max_examples / 25
+
+
+def pytest_collection_modifyitems(config, items):
+    if SCALE == 1:
+        return
+    for item in items:
+        test = getattr(item, "obj", None)
+        own = getattr(test, "_hypothesis_internal_use_settings", None)
+        if own is not None and own.max_examples != settings.default.max_examples:
+            test._hypothesis_internal_use_settings = settings(own, max_examples=max(1, round(own.max_examples * SCALE)))
+
+
+def pytest_configure(config):
+    # torch's own imports (torch.distributed.pipelining, fsdp) call torch.jit.script, deprecated since 2.9;
+    # that warning is about torch, not about mini_dist, and would bury the summary under 60 repeats
+    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.interface` is deprecated:DeprecationWarning")
+
 
 def pytest_sessionfinish(session, exitstatus):
     harness.close_all()

@@ -48,6 +48,8 @@ def _worker(rank: int, world: int, port: int, conn, backend: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       MINI_DIST_TIMEOUT=RANK_TIMEOUT_S)
+    # the suite runs with mini_dist's debug mode on: ranks that disagree before a collective are named
+    os.environ.setdefault("MINI_DIST_DEBUG", "1")
     torch.set_num_threads(1)  # 5 ranks on 2 cores: intra-op threads would only fight each other
     launch.setup(backend)
     conn.send_bytes(pickle.dumps(("ready", rank)))

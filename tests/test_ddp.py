@@ -1,5 +1,6 @@
 """mini DDP against native DistributedDataParallel and against one process on the full batch, for drawn
-adversarial models; plus the structure: bucket membership, launches during backward, silent no_sync."""
+adversarial models; plus silent no_sync, unused parameters, subgroups and communication hooks. (Bucket
+membership and launches during backward: tests/test_reducer.py.)"""
 import contextlib
 import copy
 
@@ -137,50 +138,6 @@ def test_mini_ddp_trains_like_native_ddp_and_like_one_process_on_the_full_batch(
         assert expected is None or n_buckets == [expected, expected]
 
 
-def test_buckets_for_a_given_cap_hold_the_expected_parameters():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))  # weight 64 B, bias 16 B
-    names = {p: n for n, p in model.named_parameters()}
-    membership = lambda cap: [[names[p] for p in b.params]
-                              for b in ddp.build_buckets(list(model.parameters()), cap)]
-    assert membership(10 ** 6) == [["2.bias", "2.weight", "1.bias", "1.weight", "0.bias", "0.weight"]]
-    assert membership(100) == [["2.bias", "2.weight", "1.bias", "1.weight"], ["0.bias", "0.weight"]]
-    assert membership(80) == [["2.bias", "2.weight"], ["1.bias", "1.weight"], ["0.bias", "0.weight"]]
-    assert membership(1) == [[n] for n in ("2.bias", "2.weight", "1.bias", "1.weight", "0.bias", "0.weight")]
-    model[1].double()  # a buffer has one dtype: the fp64 layer gets buckets of its own
-    assert membership(10 ** 6) == [["2.bias", "2.weight"], ["1.bias", "1.weight"], ["0.bias", "0.weight"]]
-    bucket = ddp.build_buckets(list(model[0].parameters()), 10 ** 6)[0]
-    assert bucket.buffer.numel() == 20 and [v.shape for v in bucket.views] == [(4,), (4, 4)]
-
-
-@given(numels=st.lists(st.integers(1, 300), min_size=1, max_size=12), cap=st.integers(1, 3000))
-def test_buckets_match_natives_assignment_run_over_the_parameters_in_reverse(numels, cap):
-    params = [nn.Parameter(torch.zeros(n)) for n in numels]
-    index = {p: i for i, p in enumerate(params)}
-    mine = [[index[p] for p in b.params] for b in ddp.build_buckets(params, cap)]
-    native, _ = dist._compute_bucket_assignment_by_size(params[::-1], [cap])
-    assert mine == [[len(params) - 1 - i for i in bucket] for bucket in native]
-
-
-def launch_order(widths, collective):
-    model = Net(widths)
-    all_reduce = ring_all_reduce if collective == "ring" else dist.all_reduce
-    mini = ddp.DistributedDataParallel(model, bucket_cap_mb=trainable_bytes(model) / 4 / 2 ** 20,
-                                       all_reduce=all_reduce)
-    x = torch.randn(3, widths[0], dtype=F64, device=device())
-    mini(x).square().sum().backward()
-    t = mini.timeline
-    return len(mini.buckets), t.start[0] < t.ready[-1], max(t.start) < t.backward_end
-
-
-@pytest.mark.parametrize("world,collective", [(2, "native"), (3, "ring"), (5, "native")])
-def test_all_reduces_start_during_backward_for_multi_bucket_models(world, collective):
-    for n_buckets, first_before_last_ready, during in run(world, launch_order, [8] * 6, collective):
-        assert n_buckets >= 3
-        # bucket 0 (the last layers) went out before the first layer's gradients existed
-        assert first_before_last_ready
-        assert during  # and every all-reduce was under way before backward ended
-
-
 def bytes_per_micro_step(accumulation, seed):
     torch.manual_seed(seed)
     model = Net([5, 7, 3])
@@ -188,7 +145,7 @@ def bytes_per_micro_step(accumulation, seed):
     sent, launched, grads = [], [], []
     for k, (x, y) in enumerate(draw_batches(rank_generator(seed), [5, 7, 3], 2, accumulation)):
         LEDGER.reset()
-        mini.timeline = ddp.Timeline()
+        mini.reducer.timeline = ddp.Timeline()
         with mini.no_sync() if k < accumulation - 1 else contextlib.nullcontext():
             nn.functional.mse_loss(mini(x), y).backward()
         sent.append(LEDGER.sent)
@@ -246,14 +203,47 @@ def wrap_mismatched_models():
 
 
 def test_ranks_with_different_models_are_told_so_on_every_rank():
-    with pytest.raises(RankFailure, match="different parameter/buffer shapes") as info:
+    with pytest.raises(RankFailure, match=r"rank 1 of the group holds another model than rank 0: rank 0 has "
+                                          r"weight of shape \(2, 3\) in torch.float32 where rank 1 has weight of "
+                                          r"shape \(3, 3\)") as info:
         run(3, wrap_mismatched_models)
     assert "no answer" not in str(info.value)
 
 
-def test_a_bucket_cap_of_zero_is_rejected_with_what_to_change():
-    with pytest.raises(ValueError, match="bucket_cap_mb must be > 0"):
-        ddp.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=0)
+def buckets_beside_native(cap, widths, steps=3):
+    """Mini and native DDP with the same bucket_cap_mb: bucket membership (parameter indices, native's
+    after its rebuild, which for a chain of layers follows the same reverse order) and parameters."""
+    model = nn.Sequential(*[nn.Linear(a, b, dtype=F64, device=device()) for a, b in zip(widths, widths[1:])])
+    native = NativeDDP(copy.deepcopy(model), bucket_cap_mb=cap)
+    mini = ddp.DistributedDataParallel(model, bucket_cap_mb=cap)
+    optimizers = [make_optimizer("sgd", m) for m in (mini, native)]
+    g = rank_generator(5)
+    for _ in range(steps):
+        micro = draw_batches(g, widths, 2, 1)
+        for replica, opt in zip((mini, native), optimizers):
+            ddp.train_step(replica, opt, micro)
+    index = {p: i for i, p in enumerate(model.parameters())}
+    rebuilt = native._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]
+    return ([[index[p] for p in b.params] for b in mini.buckets],
+            [[int(i) for i in bucket.split()] for bucket in rebuilt.split(",")], max_rel_diff(mini, native))
+
+
+# 200 x 200 fp64 weights are 312.5 KiB: torch's default (None) closes its first bucket at 1 MiB, after the
+# fourth weight, then fills 25 MiB; 0 and a cap below every gradient (10 B < 24 B, the smallest) give one
+# parameter per bucket; 1e4 MiB holds the whole model. (Native silently makes a negative cap one bucket.)
+@pytest.mark.parametrize("cap", [None, 0, 1e-5, 1e4])
+def test_edge_bucket_caps_bucket_and_train_like_native_ddp(cap):
+    for mine, native, diff in run(2, buckets_beside_native, cap, [8, 200, 200, 200, 200, 200, 3]):
+        assert mine == native
+        assert diff == 0.0  # two ranks: x/2 + y/2 in any order is one rounding, bit for bit
+    assert len(mine) == {None: 2, 0: 12, 1e-5: 12, 1e4: 1}[cap]
+
+
+def test_a_negative_or_nan_bucket_cap_is_refused_with_the_values_that_work():
+    for cap in (-1, float("nan")):
+        with pytest.raises(ValueError, match=r"bucket_cap_mb must be >= 0 \(0: one parameter per bucket\) or "
+                                             r"None \(torch's default, 25 MiB\)"):
+            ddp.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=cap)
 
 
 def naive_and_native(widths, optimizer, seed):
@@ -314,7 +304,7 @@ def grads_after_sync(as_view):
     mini = ddp.DistributedDataParallel(model, bucket_cap_mb=1e-4, gradient_as_bucket_view=as_view)
     (x, y), = draw_batches(rank_generator(0), [3, 4, 2], 2, 1)
     nn.functional.mse_loss(mini(x), y).backward()
-    buffers = [b.buffer for b in mini.buckets]
+    buffers = [b.buffer() for b in mini.buckets]
     return [any(p.grad.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in buffers)
             for p in model.parameters()]
 
@@ -322,3 +312,97 @@ def grads_after_sync(as_view):
 @pytest.mark.parametrize("as_view", [True, False])
 def test_gradient_as_bucket_view_leaves_grads_inside_the_buckets(as_view):
     assert run(2, grads_after_sync, as_view)[0] == [as_view] * 4
+
+
+# ----------------------------------------------------------------------------- communication hooks
+
+
+def hooks(name):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    return {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook}[name]
+
+
+def train_with_hook(hook_name, widths, seed, steps=3):
+    """torch's own hook registered on mini DDP and on native DDP, beside mini DDP without a hook: the
+    parameters after `steps` SGD steps, and what the hook saw of each bucket in the last backward."""
+    torch.manual_seed(seed + dist.get_rank())
+    model = Net(widths)
+    native, plain = NativeDDP(copy.deepcopy(model)), ddp.DistributedDataParallel(copy.deepcopy(model), 1e-4)
+    mini = ddp.DistributedDataParallel(model, bucket_cap_mb=1e-4)
+    seen = []
+
+    def recording(state, bucket):
+        seen.append((bucket.index(), bucket.is_last(), bucket.buffer().numel(), [g.shape for g in bucket.gradients()],
+                     [p.shape for p in bucket.parameters()]))
+        return hooks(hook_name)(state, bucket)
+    mini.register_comm_hook(None, recording)
+    native.register_comm_hook(None, hooks(hook_name))
+    optimizers = [make_optimizer("sgd", m) for m in (mini, native, plain)]
+    g = rank_generator(seed)
+    for _ in range(steps):
+        seen.clear()
+        micro = draw_batches(g, widths, 3, 2)
+        for replica, opt in zip((mini, native, plain), optimizers):
+            ddp.train_step(replica, opt, micro)
+    return max_rel_diff(mini, native), max_rel_diff(mini, plain), seen, len(mini.buckets)
+
+
+@settings(max_examples=8)
+@given(world=st.integers(1, 5), widths=st.lists(st.integers(1, 6), min_size=3, max_size=4),
+       seed=st.integers(0, 10 ** 6))
+def test_torchs_allreduce_hook_on_mini_ddp_equals_the_default_and_native_ddp_with_that_hook(world, widths, seed):
+    for to_native, to_default, seen, n_buckets in run(world, train_with_hook, "allreduce", widths, seed):
+        # the hook divides by N, the default multiplies by 1/N: the same for N = 1, 2, 4, an ulp apart else
+        assert to_default == 0.0 if world in (1, 2, 4) else to_default <= RTOL
+        assert to_native == 0.0 if world <= 2 else to_native <= RTOL  # native buckets differently
+        assert [(k, last) for k, last, *_ in seen] == [(k, k == n_buckets - 1) for k in range(n_buckets)]
+        for _, _, numel, gradient_shapes, parameter_shapes in seen:
+            assert gradient_shapes == parameter_shapes and numel == sum(s.numel() for s in parameter_shapes)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_torchs_fp16_compression_hook_on_mini_ddp_equals_native_ddp_with_it(world):
+    # fp16 sums of two addends are one rounding in any order: bit for bit; mini without the hook differs
+    for to_native, to_default, _, _ in run(world, train_with_hook, "fp16", [5, 6, 4], 3):
+        assert to_native == 0.0 and to_default > 0.0
+
+
+def backward_with_a_failing_hook(how):
+    model = Net([3, 4, 4, 2])
+    mini = ddp.DistributedDataParallel(model, bucket_cap_mb=1e-4)
+
+    def hook(state, bucket):
+        if bucket.index() == 1 and how == "raises":
+            raise ValueError("compression failed")
+        if bucket.index() == 1:
+            future = torch.futures.Future()
+            future.set_exception(ValueError("compression failed"))
+            return future
+        return hooks("allreduce")(state, bucket)
+    mini.register_comm_hook(None, hook)
+    try:
+        mini(torch.randn(2, 3, dtype=F64, device=device())).sum().backward()
+    except RuntimeError as e:
+        dist.barrier()  # every rank launched the same buckets before failing: the group is in step
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("how", ["raises", "fails its future"])
+def test_a_failed_bucket_surfaces_from_backward_naming_the_bucket_and_the_rank(how):
+    for rank, error in enumerate(run(3, backward_with_a_failing_hook, how)):
+        assert error == (f"DistributedDataParallel on rank {rank}: the all-reduce of bucket 1 (layers.1.weight) "
+                         f"failed: ValueError: compression failed")
+
+
+def test_a_second_comm_hook_is_refused_as_in_torch():
+    mini = run(1, register_twice)[0]
+    assert mini == "register_comm_hook can only be called once (as in torch's DDP)"
+
+
+def register_twice():
+    mini = ddp.DistributedDataParallel(nn.Linear(2, 2))
+    mini.register_comm_hook(None, hooks("allreduce"))
+    with pytest.raises(RuntimeError) as info:
+        mini.register_comm_hook(None, hooks("allreduce"))
+    return str(info.value)

@@ -1,11 +1,15 @@
-"""The DP x PP x TP grid: groups partition the world, TP is innermost, and torch's DeviceMesh agrees."""
+"""The DP x PP x TP grid: groups partition the world, TP is innermost, and torch's DeviceMesh agrees; degrees
+left out are filled in, and degrees that cannot fill the world are refused saying which flags to change."""
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import given, strategies as st
 
 from harness import RankFailure, device, run
-from mini_dist.mesh import AXES, Mesh, RankGrid
+from mini_dist.launch import UsageError
+from mini_dist.mesh import AXES, Mesh, RankGrid, grid_for
 
 degrees = st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4))
 
@@ -60,3 +64,30 @@ def test_degrees_whose_product_is_not_the_world_are_rejected_on_every_rank():
         run(3, mesh_vs_device_mesh, (2, 1, 2))
     with pytest.raises(ValueError, match="--tp must be at least 1"):
         RankGrid(1, 1, 0)
+
+
+@given(st.integers(1, 16), st.integers(1, 3), st.data())
+def test_grid_for_fills_in_the_degrees_left_out_so_that_all_multiply_to_the_world(world, default_pp, data):
+    degrees = {axis: data.draw(st.none() | st.integers(1, 8)) for axis in AXES}
+    given_ = {a: d for a, d in degrees.items() if d is not None}
+    fixed = math.prod(given_.values())
+    if world % fixed or (len(given_) == 3 and fixed != world):
+        with pytest.raises(UsageError, match=" x ".join(f"--{a} {d}" for a, d in given_.items())):
+            grid_for(world, **degrees, default_pp=default_pp)
+        return
+    grid = grid_for(world, **degrees, default_pp=default_pp)
+    assert grid.size == world and all(getattr(grid, a) == d for a, d in given_.items())
+    if degrees["tp"] is None and (degrees["pp"] is None or degrees["dp"] is None) and (world // fixed) % 2 == 0:
+        assert grid.tp == 2  # the default a missing tp takes where what is left allows it
+
+
+@pytest.mark.parametrize("world, degrees, says", [
+    (4, dict(pp=3), "--pp 3 does not divide the world of 4 ranks: choose degrees whose product divides 4"),
+    (4, dict(dp=3, tp=2), "--dp 3 x --tp 2 = 6 does not divide the world of 4 ranks"),
+    (4, dict(dp=1, pp=1, tp=2), "--dp 1 x --pp 1 x --tp 2 = 2 ranks, but the world has 4: choose degrees whose "
+                                "product is 4"),
+    (4, dict(dp=0), "--dp must be at least 1, got 0")])
+def test_degrees_that_cannot_fill_the_world_name_the_flags_the_user_gave(world, degrees, says):
+    with pytest.raises(UsageError) as info:
+        grid_for(world, **degrees)
+    assert str(info.value).startswith(says)

@@ -1,6 +1,10 @@
-"""Pipeline parallelism: schedules checked as data (no processes), then the executor checked against
-single-process full-batch training and against torch.distributed.pipelining on the same split."""
+"""Pipeline parallelism on ranks: the executor runs every schedule like single-process full-batch training and
+like torch.distributed.pipelining on the same split, sends what the schedule says, and ranks that disagree,
+or vanish, are named. (The schedules themselves are tested as data in test_pipeline_schedules.py.)"""
+import contextlib
 import itertools
+import os
+import time
 
 import pytest
 import torch
@@ -10,110 +14,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from harness import RankFailure, device, rank_generator, run, subgroup
-from mini_dist.pipeline import (HEADER_LEN, SCHEDULES, Action, balanced_split, bubble_fraction,
-                                gpipe_schedule, live_microbatches, one_f_one_b_schedule, pipeline_stage,
-                                pipeline_step, simulate, split_model, timeline_picture, torch_pipelining)
-
-schedule_names = st.sampled_from(sorted(SCHEDULES))
-
-
-def times_of(timeline, op):
-    """{(stage, microbatch): (start, end)} of every `op` in a simulated timeline."""
-    return {(s, m): (a, b) for s, events in enumerate(timeline) for o, m, a, b in events if o == op}
-
-
-# ----- schedules as data, without processes -----
-
-@given(st.integers(1, 6), st.integers(1, 16), schedule_names)
-def test_each_microbatch_goes_forward_through_the_stages_in_order_and_backward_in_reverse(P, M, name):
-    schedule = SCHEDULES[name](P, M)
-    for s, actions in enumerate(schedule):
-        for kind in ("forward", "backward"):
-            assert sorted(m for op, m in actions if op == kind) == list(range(M))  # once per stage
-        for m in range(M):
-            assert actions.index(Action("forward", m)) < actions.index(Action("backward", m))
-    timeline = simulate(schedule)
-    forward, backward = times_of(timeline, "forward"), times_of(timeline, "backward")
-    for m in range(M):
-        for s in range(1, P):
-            assert forward[s, m][0] >= forward[s - 1, m][1]  # stage s starts m once s-1 has finished it
-            assert backward[s - 1, m][0] >= backward[s, m][1]  # and backward runs the other way
-        assert backward[P - 1, m][0] >= forward[P - 1, m][1]
-
-
-@given(st.integers(1, 6), st.integers(1, 16), schedule_names)
-def test_every_send_meets_a_receive_of_the_same_microbatch_in_the_same_order(P, M, name):
-    schedule = SCHEDULES[name](P, M)
-
-    def mbs(s, op):
-        return [m for o, m in schedule[s] if o == op]
-    assert mbs(0, "recv_act") == mbs(0, "send_grad") == []  # the ends talk to one neighbour only
-    assert mbs(P - 1, "send_act") == mbs(P - 1, "recv_grad") == []
-    for s in range(P - 1):  # messages between two ranks are matched in the order they were posted
-        assert mbs(s, "send_act") == mbs(s + 1, "recv_act") and len(mbs(s, "send_act")) == M
-        assert mbs(s + 1, "send_grad") == mbs(s, "recv_grad") and len(mbs(s, "recv_grad")) == M
-
-
-def test_the_simulation_reports_a_deadlock_a_mismatch_and_a_lost_message():
-    waits_for_grad_first = [[Action("recv_grad", 0), Action("forward", 0), Action("send_act", 0)],
-                            [Action("recv_act", 0), Action("forward", 0), Action("backward", 0),
-                             Action("send_grad", 0)]]
-    with pytest.raises(RuntimeError, match=r"deadlock: stage 0 at Action\(op='recv_grad', mb=0\)"):
-        simulate(waits_for_grad_first)
-    swapped = gpipe_schedule(2, 2)
-    swapped[1][0], swapped[1][3] = swapped[1][3], swapped[1][0]  # stage 1 receives microbatch 1 first
-    with pytest.raises(RuntimeError, match="stage 1 recv_act 1 would receive microbatch 0"):
-        simulate(swapped)
-    with pytest.raises(RuntimeError, match="sent but never received: 0->1"):
-        simulate([[Action("forward", 0), Action("send_act", 0)], [Action("forward", 0)]])
-
-
-@given(st.integers(1, 6), st.integers(1, 16))
-def test_1f1b_holds_at_most_P_minus_s_microbatches_where_gpipe_holds_M(P, M):
-    for s in range(P):
-        assert live_microbatches(one_f_one_b_schedule(P, M)[s]) == min(M, P - s)
-        assert live_microbatches(gpipe_schedule(P, M)[s]) == M
-
-
-@given(st.integers(1, 6), st.integers(1, 16), st.integers(1, 3), st.integers(1, 3))
-def test_gpipe_and_1f1b_have_the_same_bubble_the_formula_predicts(P, M, t_forward, t_backward):
-    # Integer durations: both sides are one correctly rounded division of the same rational, so exact ==.
-    expected = (P - 1) / (M + P - 1)
-    for build in (gpipe_schedule, one_f_one_b_schedule):
-        assert bubble_fraction(simulate(build(P, M), t_forward, t_backward)) == expected
-
-
-def test_a_timeline_prints_stages_as_rows_and_time_as_columns():
-    assert timeline_picture(simulate(gpipe_schedule(2, 2), 1, 1)) == ("stage 0 |F0 F1 .  .  B0 B1\n"
-                                                                       "stage 1 |.  F0 F1 B0 B1 .")
-    assert timeline_picture(simulate(one_f_one_b_schedule(2, 2), 1, 2)) == (
-        "stage 0 |F0 F1 .  .  B0 B0 .  B1 B1\n"
-        "stage 1 |.  F0 B0 B0 F1 B1 B1 .  .")
-
-
-@given(st.lists(st.integers(0, 50), min_size=1, max_size=8), st.data())
-def test_balanced_split_minimises_the_costliest_stage(costs, data):
-    P = data.draw(st.integers(1, len(costs)))
-    sizes = balanced_split(costs, P)
-    assert len(sizes) == P and min(sizes) >= 1 and sum(sizes) == len(costs)
-
-    def costliest(cuts):
-        bounds = [0, *cuts, len(costs)]
-        return max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
-    brute_force = min(costliest(cuts) for cuts in itertools.combinations(range(1, len(costs)), P - 1))
-    assert costliest(list(itertools.accumulate(sizes))[:-1]) == brute_force
-
-
-def test_split_model_and_schedules_reject_impossible_shapes():
-    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
-    with pytest.raises(ValueError, match="cannot cut 2 layers into 3 pipeline stages"):
-        split_model(model, 3)
-    with pytest.raises(ValueError, match=r"sizes \[2, 1\] must be 2 positive layer counts summing to 2"):
-        split_model(model, 2, [2, 1])
-    assert [len(stage) for stage in split_model(model, 2)] == [1, 1]
-    for build in (gpipe_schedule, one_f_one_b_schedule):
-        with pytest.raises(ValueError, match="at least one stage and one microbatch"):
-            build(2, 0)
+from mini_dist.pipeline import HEADER_LEN, pipeline_step
+from mini_dist.pipeline_schedules import SCHEDULES, live_microbatches, pipeline_chunks, split_model, torch_step
 
 
 # ----- the executor, on ranks -----
@@ -141,12 +43,19 @@ def draw_batch(seed, widths, batch, kind):
     return x, y
 
 
-def grads_by_index(model, stage):
+def grads_by_index(model, chunks):
     index = {id(p): i for i, p in enumerate(model.parameters())}
-    return {index[id(p)]: p.grad.cpu() for p in stage.parameters() if p.grad is not None}
+    return {index[id(p)]: p.grad.cpu() for c in chunks for p in c.parameters() if p.grad is not None}
 
 
-def pipelined(seed, widths, frozen, batch, M, name, kind, sizes, ranks):
+def torch_runs(name, P, M, v):
+    """Whether torch.distributed.pipelining accepts the configuration: its Schedule1F1B refuses M < P, its
+    interleaved schedules M that does not split into rounds of about P (ours too, for v > 1)."""
+    return {"1f1b": M >= P, "interleaved": M % max(1, M // P) == 0,
+            "zero_bubble": M % max(1, M // P) == 0}.get(name, True)
+
+
+def pipelined(seed, widths, frozen, batch, M, name, v, kind, sizes, ranks):
     """One step of our pipeline on the ranks `ranks` (the default group if that is all of them), then,
     where torch runs it, the same step by torch.distributed.pipelining; returns what the test process
     needs to redo the step in a single process."""
@@ -155,16 +64,16 @@ def pipelined(seed, widths, frozen, batch, M, name, kind, sizes, ranks):
         return None
     model = build_model(seed, widths, frozen)
     x, y = draw_batch(seed, widths, batch, kind)
-    stage = pipeline_stage(model, group, sizes)
+    chunks = pipeline_chunks(model, group, v, sizes)
     P, s = len(ranks), dist.get_rank(group)
-    loss, stats = pipeline_step(stage, SCHEDULES[name](P, M), x, y, make_loss(kind), group)
-    result = dict(stage=s, loss=loss, grads=grads_by_index(model, stage), x=x.cpu(), y=y.cpu(), stats=stats)
+    loss, stats = pipeline_step(chunks, SCHEDULES[name](P, M, v), x, y, make_loss(kind), group)
+    result = dict(stage=s, loss=loss, grads=grads_by_index(model, chunks), x=x.cpu(), y=y.cpu(), stats=stats)
     # Importing torch.distributed.pipelining takes seconds per rank: only the 4-rank pool pays it (its
-    # subgroups give every P from 1 to 4). torch's Schedule1F1B refuses M < P.
-    if dist.get_world_size() == 4 and (name == "gpipe" or M >= P):
-        stage.zero_grad()
-        result["torch_loss"] = torch_pipelining(stage, name, M, make_loss(kind), group)(x, y)
-        result["torch_grads"] = grads_by_index(model, stage)
+    # subgroups give every P from 1 to 4)
+    if dist.get_world_size() == 4 and torch_runs(name, P, M, v):
+        model.zero_grad()
+        result["torch_loss"] = torch_step(chunks, name, M, make_loss(kind), group)(x, y)
+        result["torch_grads"] = grads_by_index(model, chunks)
     return result
 
 
@@ -197,11 +106,11 @@ def assert_equal_up_to_rounding(actual, expected, terms, roundings):
     assert (difference <= bound).all(), f"difference {difference.max():.3g} > bound {bound.max():.3g}"
 
 
-def check_step(world, ranks, sizes, seed, widths, frozen, mb_size, M, name, kind):
+def check_step(world, ranks, sizes, seed, widths, frozen, mb_size, M, name, v, kind):
     """Pipelined loss and grads = single-process full-batch training (= torch.distributed.pipelining where
     it ran: returns whether it did), and the executor's measurements = what the schedule says."""
     P = len(ranks)
-    results = run(world, pipelined, seed, widths, frozen, M * mb_size, M, name, kind, sizes, ranks)
+    results = run(world, pipelined, seed, widths, frozen, M * mb_size, M, name, v, kind, sizes, ranks)
     results = sorted((r for r in results if r is not None), key=lambda r: r["stage"])
     x, y = results[0]["x"], results[-1]["y"]  # stage 0's inputs and stage P-1's targets are the batch
     (loss, loss_terms), grads = full_batch(seed, widths, frozen, kind, x, y)
@@ -218,44 +127,48 @@ def check_step(world, ranks, sizes, seed, widths, frozen, mb_size, M, name, kind
         for r in results:
             for i, g in r["torch_grads"].items():
                 if M & (M - 1) == 0:  # 1/M exact and the same operations in the same order: bit for bit
-                    assert torch.equal(r["grads"][i], g)
+                    assert torch.equal(r["grads"][i], g), (name, i)
                 assert_equal_up_to_rounding(r["grads"][i], g, grads[i][1], roundings)
-    stages = split_model(build_model(seed, widths, frozen).cpu(), P, sizes)
+    stages = split_model(build_model(seed, widths, frozen).cpu(), P * v, sizes)
     acts = list(itertools.accumulate(stages, lambda a, stage: stage(a), initial=x[:mb_size]))
+    schedule, S = SCHEDULES[name](P, M, v), P * v
     for r in results:  # what the executor measured, beside what the schedule says
-        s, actions = r["stage"], SCHEDULES[name](P, M)[r["stage"]]
-        assert [e[:2] for e in r["stats"].events] == actions
+        s, actions = r["stage"], schedule.actions[r["stage"]]
+        assert [e[:3] for e in r["stats"].events] == list(actions)
         assert r["stats"].peak_live == live_microbatches(actions)
-        forward = (s < P - 1) * (M * acts[s + 1].numel() + HEADER_LEN) * 8  # + the shape header, once
-        backward = (s > 0) * M * acts[s].numel() * 8  # fp64 activations and gradients
-        assert r["stats"].bytes_sent == forward + backward
+        sent = 0  # fp64 activations forward (+ a shape header once per stage), their gradients backward
+        for j in range(s, S, P) if P > 1 else ():  # one rank: every message stays on it
+            sent += (j < S - 1) * (M * acts[j + 1].numel() + HEADER_LEN) * 8 + (j > 0) * M * acts[j].numel() * 8
+        assert r["stats"].bytes_sent == sent
     return "torch_loss" in results[-1]
 
 
 @st.composite
-def pipelined_steps(draw, worlds, torch_runs=False):
-    """A pipelined step: its world, pipeline ranks, model, split, batch, M, schedule and loss."""
-    world, name = draw(worlds), draw(schedule_names)
+def pipelined_steps(draw, worlds, torch_runs_it=False):
+    """A pipelined step: its world, pipeline ranks, model, split, batch, M, schedule, chunks and loss."""
+    world, name = draw(worlds), draw(st.sampled_from(sorted(SCHEDULES)))
     widths = draw(st.lists(st.integers(1, 6), min_size=3, max_size=6))
     n_layers = 2 * len(widths) - 3
     P = draw(st.integers(1, min(world, n_layers)))
-    cuts = sorted(draw(st.sets(st.integers(1, n_layers - 1), min_size=P - 1, max_size=P - 1)))
+    v = draw(st.integers(1, n_layers // P)) if name in ("interleaved", "zero_bubble") else 1
+    M = draw(st.integers(1, 8))
+    if not torch_runs(name, P, M, v) and (torch_runs_it or v > 1):  # keep M, drop what is refused
+        M = P if name == "1f1b" else max(1, M // P) * (M // max(1, M // P))
+    cuts = sorted(draw(st.sets(st.integers(1, n_layers - 1), min_size=P * v - 1, max_size=P * v - 1)))
     return dict(world=world, ranks=sorted(draw(st.permutations(range(world)))[:P]),  # may be a subgroup
                 sizes=None if draw(st.booleans()) else [b - a for a, b in zip([0, *cuts], [*cuts, n_layers])],
                 seed=draw(st.integers(0, 2 ** 16)), widths=widths, frozen=draw(st.booleans()),
-                mb_size=draw(st.integers(1, 4)), name=name,
-                kind=draw(st.sampled_from(["mse", "cross_entropy"])),
-                M=draw(st.integers(P if torch_runs and name == "1f1b" else 1, 8)))  # torch's 1F1B: M >= P
+                mb_size=draw(st.integers(1, 4)), M=M, name=name, v=v, kind=draw(st.sampled_from(["mse", "cross_entropy"])))
 
 
 @settings(max_examples=15)
 @given(pipelined_steps(st.integers(1, 4)))
-def test_pipelined_loss_and_grads_equal_full_batch_training(step):
+def test_pipelined_loss_and_grads_equal_full_batch_training_for_every_schedule(step):
     check_step(**step)
 
 
-@settings(max_examples=10)
-@given(pipelined_steps(st.just(4), torch_runs=True))
+@settings(max_examples=12)
+@given(pipelined_steps(st.just(4), torch_runs_it=True))
 def test_pipelined_loss_and_grads_equal_torch_pipelining_on_the_same_split(step):
     assert check_step(**step)  # True: torch ran it too
 
@@ -263,20 +176,20 @@ def test_pipelined_loss_and_grads_equal_torch_pipelining_on_the_same_split(step)
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize("P, M", [(1, 1), (2, 1), (3, 2), (4, 1), (4, 3)])
 def test_fewer_microbatches_than_stages_and_a_single_stage_still_train_exactly(P, M, name):
-    check_step(4, list(range(P)), None, P * 10 + M, [3, 5, 4, 2], True, 2, M, name, "mse")
+    check_step(4, list(range(P)), None, P * 10 + M, [3, 5, 4, 2], True, 2, M, name, 1, "mse")
 
 
 def step_on_a_batch(batch, n_microbatches, first_has_inputs=True):
     """Inputs only on the first stage, targets only on the last: the middle must still reject alike."""
     P, s = dist.get_world_size(), dist.get_rank()
-    stage = pipeline_stage(nn.Sequential(*[nn.Linear(2, 2) for _ in range(P)]).to(device()))
+    stage = pipeline_chunks(nn.Sequential(*[nn.Linear(2, 2) for _ in range(P)]).to(device()))[0]
     x, y = torch.randn(batch, 2, device=device()), torch.randn(batch, 2, device=device())
-    return pipeline_step(stage, gpipe_schedule(P, n_microbatches), x if s == 0 and first_has_inputs else None,
+    return pipeline_step(stage, SCHEDULES["gpipe"](P, n_microbatches), x if s == 0 and first_has_inputs else None,
                          y if s == P - 1 else None, nn.MSELoss())[0]
 
 
 def stage_of_two_layers():
-    return pipeline_stage(nn.Sequential(nn.Linear(2, 2), nn.Tanh()))
+    return pipeline_chunks(nn.Sequential(nn.Linear(2, 2), nn.Tanh()))
 
 
 @pytest.mark.parametrize("args, error", [((10, 4), "a batch of 10 inputs and 10 targets cannot be cut into 4 "
@@ -295,3 +208,120 @@ def test_every_rank_rejects_more_stages_than_layers():
         run(3, stage_of_two_layers)
     for rank in range(3):
         assert f"rank {rank} failed: ValueError: cannot cut 2 layers into 3 pipeline" in str(info.value)
+
+
+# ----- ranks that disagree, or vanish, are named -----
+
+def step_with(schedule_of_rank, batch=4):
+    """One step where each rank builds its schedule with schedule_of_rank(rank) -> (name, M)."""
+    P, s = dist.get_world_size(), dist.get_rank()
+    stage = pipeline_chunks(nn.Sequential(*[nn.Linear(2, 2) for _ in range(P)]).to(device()))[0]
+    x, y = torch.randn(batch, 2, device=device()), torch.randn(batch, 2, device=device())
+    name, M = schedule_of_rank(s)
+    return pipeline_step(stage, SCHEDULES[name](P, M), x, y, nn.MSELoss())[0]
+
+
+def rank_0_builds_for_two_microbatches(rank):
+    return "1f1b", 2 if rank == 0 else 4
+
+
+def rank_2_builds_gpipe(rank):
+    return ("gpipe" if rank == 2 else "1f1b"), 4
+
+
+def everyone_builds_1f1b(rank):
+    return "1f1b", 4
+
+
+@pytest.mark.parametrize("schedule_of_rank, named", [
+    (rank_0_builds_for_two_microbatches, "rank 0: 1f1b with M=2, 4 stages x 1 chunk(s); ranks 1, 2, 3: 1f1b "
+                                         "with M=4, 4 stages x 1 chunk(s)"),
+    (rank_2_builds_gpipe, "ranks 0, 1, 3: 1f1b with M=4, 4 stages x 1 chunk(s); rank 2: gpipe with M=4")])
+def test_ranks_that_built_different_schedules_all_raise_at_once_naming_them(schedule_of_rank, named):
+    # Without the agreement, rank 0 of the first case waits for a message its neighbours never send, until
+    # the process group's timeout (30 s in the pools, 120 s by default) names nobody.
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run(4, step_with, schedule_of_rank)
+    assert time.monotonic() - start < 10
+    for rank in range(4):
+        assert f"rank {rank} failed: ValueError: pipeline ranks disagree on the schedule: {named}" in str(info.value)
+    assert run(4, step_with, everyone_builds_1f1b)[3] is not None  # the pool stayed in step
+
+
+class ShrinksAfterTheFirstCall(nn.Module):
+    """A stage whose output loses a row from its second microbatch on: the next stage, which learned the
+    shape from the first message, would read a wrong-sized buffer."""
+    calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x if self.calls == 1 else x[:-1]
+
+
+def step_with_a_shrinking_first_stage():
+    P, s = dist.get_world_size(), dist.get_rank()
+    stage = ShrinksAfterTheFirstCall() if s == 0 else nn.Linear(2, 2).to(device())
+    x, y = torch.randn(4, 2, device=device()), torch.randn(4, 2, device=device())
+    return pipeline_step(stage, SCHEDULES["gpipe"](P, 2), x, y, nn.MSELoss())[0]
+
+
+def test_in_debug_mode_a_receiver_names_the_sender_of_a_message_it_did_not_expect():
+    with pytest.raises(RankFailure) as info:  # the pools run with MINI_DIST_DEBUG=1
+        run(2, step_with_a_shrinking_first_stage)
+    assert ("rank 1 failed: Disagreement: rank 1 expects the act of microbatch 1 for stage 1, [2, 2], from "
+            "rank 0, which sent the act of microbatch 1 for stage 1, [1, 2]") in str(info.value)
+
+
+class VanishesOnItsSecondForward(nn.Module):
+    calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            os._exit(0)  # a rank that leaves without an error: torchrun would blame a victim
+        return x
+
+
+def step_where_rank_1_vanishes():
+    P, s = dist.get_world_size(), dist.get_rank()
+    stage = VanishesOnItsSecondForward() if s == 1 else nn.Linear(2, 2).to(device())
+    x, y = torch.randn(4, 2, device=device()), torch.randn(4, 2, device=device())
+    return pipeline_step(stage, SCHEDULES["1f1b"](P, 4), x, y, nn.MSELoss())[0]
+
+
+def test_a_neighbour_that_vanishes_mid_step_is_named_by_the_ranks_waiting_for_it():
+    with pytest.raises(RankFailure) as info:
+        run(3, step_where_rank_1_vanishes)
+    assert "rank 1 failed: died (exit code 0)" in str(info.value)
+    for rank in (0, 2):  # each was waiting for rank 1: its forward input, or a gradient
+        assert f"rank {rank} failed: PeerLost: rank {rank}, " in str(info.value)
+        assert "with its pipeline neighbour: lost rank 1 " in str(info.value)
+
+
+class CountingNoSync:
+    """Stands in for DistributedDataParallel.no_sync: records which computations ran under it."""
+
+    def __init__(self):
+        self.entered = 0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        self.entered += 1
+        yield
+
+
+def weight_gradients_under_no_sync(name, M, v):
+    P = dist.get_world_size()
+    torch.manual_seed(0)
+    chunks = pipeline_chunks(nn.Sequential(*[nn.Linear(2, 2) for _ in range(P * v)]).to(device()), None, v)
+    counters = [CountingNoSync() for _ in chunks]
+    x, y = torch.randn(2 * M, 2, device=device()), torch.randn(2 * M, 2, device=device())
+    pipeline_step(chunks, SCHEDULES[name](P, M, v), x, y, nn.MSELoss(), no_sync=counters)
+    return [counter.entered for counter in counters]
+
+
+@pytest.mark.parametrize("name, M, v", [("gpipe", 3, 1), ("1f1b", 4, 1), ("interleaved", 2, 2), ("zero_bubble", 5, 1)])
+def test_data_parallel_sync_is_skipped_for_all_but_each_chunks_last_weight_gradient(name, M, v):
+    # so a DistributedDataParallel around each chunk reduces its gradients once per step, not M times
+    assert run(2, weight_gradients_under_no_sync, name, M, v) == [[M - 1] * v] * 2

@@ -1,11 +1,13 @@
-"""The planner: the seeds' worked examples, the papers' formulas, invariants, and measured ledgers.
+"""The cost model and the planner: figures often quoted, the papers' formulas, invariants, measured ledgers.
 
 Everything here is integer arithmetic, so the assertions are exact (==), except a few float ratios
 (bubble, Amdahl) compared with math.isclose at 1e-12 relative: a handful of float operations, each
 rounding by at most 2^-53. Cross-checks against measurements: PyTorch's own optimizer state tensors
-(single process) and the byte ledgers of ring_allreduce.py, ddp.py, zero.py, fsdp.py, tensor_parallel.py
-and pipeline.py (multi-rank, via the harness).
+(single process), the bytes activation_checkpoint.py's transformer layer keeps for backward (with and
+without checkpointing), and the byte ledgers of ring_allreduce.py, ddp.py, zero.py, fsdp.py, the tensor-
+parallel block (plain and recomputed) and pipeline.py (multi-rank, via the harness).
 """
+import functools
 import math
 import subprocess
 import sys
@@ -18,17 +20,18 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from harness import ROOT, device, rank_generator, run
-from mini_dist import planner
-from mini_dist.planner import (GB, Cluster, Model, Plan, activation_bytes, amdahl, bubble, bytes_per_param,
-                               candidates, collective_bytes, dp_traffic, evaluate, gpt_params,
-                               model_state_bytes, recommend, ring_all_reduce_bytes_exact, shard, validate)
+from mini_dist import cost_model, planner
+from mini_dist.cost_model import (GB, Cluster, Model, Plan, activation_bytes, amdahl, bubble, bytes_per_param,
+                                  collective_bytes, dp_traffic, evaluate, gpt_params, model_state_bytes,
+                                  ring_all_reduce_bytes_exact, shard, validate)
+from mini_dist.planner import candidates, recommend
 
 B = 10 ** 9
 PRECISION = st.sampled_from(["fp32", "bf16", "fp16"])
 OPTIMIZER = st.sampled_from(["sgd", "momentum", "adam"])
 
 
-# ----------------------------------------------------------------------------- the seeds' figures
+# ----------------------------------------------------------------------------- figures often quoted
 
 
 def test_7b_adam_mixed_precision_needs_112_gb_and_does_not_fit_an_80_gb_gpu():
@@ -54,14 +57,14 @@ def test_3b_adam_mixed_precision_needs_48_gb():
 
 
 def test_70b_as_tp8_pp4_dp8_on_256_gpus_leaves_2_19b_parameters_per_gpu():
-    """The seeds' ~2.2B is 70e9 / (8 x 4) = 2.1875B: TP and PP split the weights, DP copies them."""
+    """The often quoted ~2.2B is 70e9 / (8 x 4) = 2.1875B: TP and PP split the weights, DP copies them."""
     e = evaluate(Model(70 * B), Plan(dp=8, tp=8, pp=4), Cluster(gpus=256))
     assert e.states[0] == 2 * 2_187_500_000  # bf16 weights
     assert round(2_187_500_000 / B, 1) == 2.2
 
 
 def test_pipeline_bubble_for_4_stages_is_15_8_percent_at_16_microbatches_and_8_6_at_32():
-    """The seeds' ~16% and ~9% are (P-1)/(M+P-1) = 3/19 and 3/35, the idle share of the step; the
+    """The often quoted ~16% and ~9% are (P-1)/(M+P-1) = 3/19 and 3/35, the idle share of the step; the
     other common form (P-1)/M = 18.75% and 9.4% measures the bubble against the compute time."""
     assert math.isclose(bubble(4, 16), 3 / 19, rel_tol=1e-12) and round(bubble(4, 16), 2) == 0.16
     assert math.isclose(bubble(4, 32), 3 / 35, rel_tol=1e-12) and round(bubble(4, 32), 2) == 0.09
@@ -84,7 +87,7 @@ def test_ring_all_reduce_sends_2_n_minus_1_over_n_times_d_per_rank(n, chunk, ele
 
 @given(numel=st.integers(1, 10 ** 12), k=st.integers(1, 1024), m=st.integers(1, 64), precision=PRECISION)
 def test_zero2_sends_the_same_bytes_as_ddp_not_fewer(numel, k, m, precision):
-    """Seed correction: 'ZeRO-2 communicates less than DDP' holds for the reduce-scatter alone. ZeRO-2
+    """A correction: 'ZeRO-2 communicates less than DDP' holds for the reduce-scatter alone. ZeRO-2
     then all-gathers the updated weights, and the two together are an all-reduce's bytes: equal
     traffic at one microbatch; with accumulation it reduce-scatters every microbatch and sends more."""
     numel = shard(numel, k) * k  # whole chunks, so the ring's 2(K-1)/K is exact
@@ -287,7 +290,7 @@ def test_effective_batch_is_micro_batch_x_microbatches_x_dp_and_one_gpu_sends_no
     (Model(7 * B), Plan(dp=0), Cluster(0), "gpus must be a whole number >= 1, got 0"),
     (Model(-7), Plan(dp=8), Cluster(8), "params must be a whole number >= 1, got -7"),
     (Model(7 * B, -1, 64, 8), Plan(dp=8), Cluster(8), "layers must be a whole number >= 0"),
-    (Model(7 * B, 4, 64, 8), Plan(dp=2, tp=3), Cluster(8), r"dp x tp x pp = 2 x 3 x 1 must equal the 8 GPUs"),
+    (Model(7 * B, 4, 64, 8), Plan(dp=2, tp=3), Cluster(8), r"dp x tp x pp x cp = 2 x 3 x 1 x 1 must equal the 8 GPUs"),
     (Model(7 * B, 4, 60, 6), Plan(dp=2, tp=4), Cluster(8), "tp = 4 must divide the 6 heads"),
     (Model(7 * B, 6, 64, 8), Plan(dp=2, pp=4), Cluster(8), "pp = 4 must divide the 6 layers"),
     (Model(7 * B, 4, 64, 6), Plan(dp=8), Cluster(8), r"heads \(6\) must divide hidden \(64\)"),
@@ -321,22 +324,33 @@ def test_demo_prints_the_worked_example_and_a_passing_summary_line():
     out = _cli()
     assert out.returncode == 0, out.stderr
     assert "3. simplest that fits" in out.stdout
-    assert out.stdout.strip().splitlines()[-1].startswith("SUMMARY|planner|PASS seeds' figures 7/7|PASS ")
+    assert out.stdout.strip().splitlines()[-1].startswith("SUMMARY|planner|PASS figures often quoted 7/7|PASS ")
 
 
-def test_cli_rejects_zero_gpus_and_non_dividing_degrees_with_exit_code_2():
+def test_cli_has_help_and_says_every_mistake_in_one_line_with_exit_code_2():
+    """--help names every flag; an unknown flag, a value of the wrong type, a count it cannot read, an
+    incomplete shape and a plan that cannot be are each one line on stderr, nothing on stdout, status 2."""
+    help_ = _cli("--help")
+    assert help_.returncode == 0 and all(f"--{name}" in help_.stdout for name, *_ in planner.FLAGS)
     for args, message in [(["--params", "7B", "--gpus", "0"], "gpus must be a whole number >= 1, got 0"),
                           (["--params", "7B", "--gpus", "8", "--tp", "3"], "dp x tp x pp = 2 x 3 x 1"),
-                          (["--params=-7B"], "params must be a whole number >= 1")]:
+                          (["--params=-7B"], "params must be a whole number >= 1"),
+                          (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+                          (["--gpus", "x"], "argument --gpus: invalid int value: 'x'"),
+                          (["--params", "7X"], "'7X' is not a count: write it like 7B"),
+                          (["--layers", "4"], "give all of --layers --hidden --heads or none"),
+                          (["--params", "7B", "--serial", "2"], "serial fraction must lie in [0, 1]"),
+                          (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'")]:
         out = _cli(*args)
-        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1, (args, out.stderr)
+        assert out.stderr.startswith("python -m mini_dist.planner: error: ") and message in out.stderr, out.stderr
 
 
-def test_seed_checks_fail_when_a_formula_is_broken(monkeypatch):
+def test_quoted_figures_fail_when_a_formula_is_broken(monkeypatch):
     """The demo's self-check can go red: break the bubble formula and it must notice."""
-    assert all(ok for _, ok in planner.seed_checks())
+    assert all(ok for _, ok in planner.quoted_figures())
     monkeypatch.setattr(planner, "bubble", lambda p, m: (p - 1) / m)
-    assert not all(ok for _, ok in planner.seed_checks())
+    assert not all(ok for _, ok in planner.quoted_figures())
 
 
 # ----------------------------------------------------------------------------- measured ledgers
@@ -444,7 +458,7 @@ def fsdp_ledger(widths):
     from mini_dist.fsdp import FullyShardedDataParallel
     model = linear_stack(widths).to(device())
     numel = sum(p.numel() for p in model.parameters())
-    fsdp = FullyShardedDataParallel(model)
+    fsdp = FullyShardedDataParallel(model, wrap=[])  # no children as units: the root is the one unit
     fsdp.ledger.reset()
     fsdp(torch.randn(2, widths[0], generator=rank_generator(2)).to(device())).sum().backward()
     return fsdp.ledger.sent, numel
@@ -458,9 +472,12 @@ def test_fsdp_bytes_per_step_equal_the_ledger_of_fsdp_py(world, widths):
         assert sent == sum(dp_traffic(numel, Plan(dp=world, zero=3, precision="fp32")).values())
 
 
-def tp_counter(b, s, h, heads, ranks):
-    """One tensor-parallel block forward and backward on a TP group: the collectives it counted."""
-    from mini_dist.tensor_parallel import COUNTER, ParallelTransformerBlock
+def tp_counter(b, s, h, heads, ranks, recompute):
+    """One tensor-parallel block forward and backward on a TP group, checkpointed (its forward recomputed
+    in backward) or not: the collectives it counted."""
+    from mini_dist.activation_checkpoint import checkpoint
+    from mini_dist.comm import COUNTER
+    from mini_dist.parallel_transformer import ParallelTransformerBlock
     from harness import subgroup
     group = subgroup(ranks)
     if dist.get_rank() not in ranks:
@@ -468,38 +485,40 @@ def tp_counter(b, s, h, heads, ranks):
     block = ParallelTransformerBlock(h, heads, group=group, device=device(), dtype=torch.float32)
     x = torch.randn(b, s, h, generator=rank_generator(3)).to(device()).requires_grad_()
     COUNTER.reset()
-    block(x).sum().backward()
+    (checkpoint(block, x) if recompute else block(x)).sum().backward()
     return dict(COUNTER.calls), dict(COUNTER.bytes)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
-def test_tensor_parallel_bytes_per_layer_equal_the_counter_of_tensor_parallel_py(tp):
-    """Megatron: 2 all-reduces of b*s*h forward and 2 backward per layer; the planner's ring bytes are
-    those of 4 such all-reduces."""
-    b, s, h, heads = 2, 5, 12, 12
+def test_tensor_parallel_bytes_per_layer_equal_the_counter_of_the_parallel_block(tp, recompute):
+    """Megatron: 2 all-reduces of b*s*h forward and 2 backward per layer; a checkpointed layer runs its
+    forward again in backward, 2 more: the planner's ring bytes are those of 4 (6) such all-reduces."""
+    b, s, h, heads, n = 2, 5, 12, 12, 6 if recompute else 4
     model, plan = Model(0, layers=1, hidden=h, heads=heads, seq=s), Plan(dp=1, tp=tp, micro_batch=b,
-                                                                        precision="fp32")
-    for result in run(4, tp_counter, b, s, h, heads, list(range(tp))):
+                                                                        precision="fp32", checkpoint=recompute)
+    for result in run(4, tp_counter, b, s, h, heads, list(range(tp)), recompute):
         if result is None:
             continue
         calls, payload = result
         if tp == 1:  # a group of one communicates nothing
-            assert calls.get("all_reduce", 0) == 0 and planner.tp_traffic(model, plan) == 0
+            assert calls.get("all_reduce", 0) == 0 and cost_model.tp_traffic(model, plan) == 0
             continue
-        assert calls == {"all_reduce": 4} and payload == {"all_reduce": 4 * b * s * h * 4}
-        assert 4 * collective_bytes("all_reduce", b * s * h, tp, 4) == planner.tp_traffic(model, plan)
+        assert calls == {"all_reduce": n} and payload == {"all_reduce": n * b * s * h * 4}
+        assert n * collective_bytes("all_reduce", b * s * h, tp, 4) == cost_model.tp_traffic(model, plan)
 
 
 def pp_bytes(P, M, batch, h, name):
     """One pipeline step over P stages of Linear(h, h): the bytes this stage sent."""
-    from mini_dist.pipeline import HEADER_LEN, SCHEDULES, pipeline_stage, pipeline_step
+    from mini_dist.pipeline import HEADER_LEN, pipeline_step
+    from mini_dist.pipeline_schedules import SCHEDULES, pipeline_chunks
     from harness import subgroup
     group = subgroup(range(P))
     if dist.get_rank() >= P:
         return None
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(h, h) for _ in range(P)]).to(device())
-    stage = pipeline_stage(model, group=group)
+    stage = pipeline_chunks(model, group=group)
     x = torch.randn(batch, h).to(device())
     _, stats = pipeline_step(stage, SCHEDULES[name](P, M), inputs=x, targets=x,
                              loss_fn=torch.nn.functional.mse_loss, group=group)
@@ -517,4 +536,43 @@ def test_pipeline_bytes_per_stage_equal_the_stats_of_pipeline_py(P, M, h, name):
                                                             microbatches=M, precision="fp32")
     for stage, result in enumerate(run(4, pp_bytes, P, M, batch, h, name)[:P]):
         sent, header = result
-        assert sent == planner.pp_traffic(model, plan, stage) + header * (stage < P - 1)
+        assert sent == cost_model.pp_traffic(model, plan, stage) + header * (stage < P - 1)
+
+
+def kept_for_backward(layers, b, s, heads, head_dim, precision, seed):
+    """L of activation_checkpoint's transformer layers (which save exactly Korthikanti's tensors), plain
+    and each layer checkpointed: bytes kept after forward, and the peak alive during backward."""
+    from mini_dist.activation_checkpoint import TransformerLayer, checkpoint, run_layers
+    from mini_dist.measure import profile_step
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[TransformerLayer(heads * head_dim, heads, 0.1, dtype=dtype)
+                                  for _ in range(layers)]).to(device())
+    x = torch.randn(b, s, heads * head_dim, dtype=dtype, device=device())
+    steps = [profile_step(forward, lambda out: out.sum().backward(), exclude=model.parameters())
+             for forward in (lambda: model(x), lambda: run_layers([functools.partial(checkpoint, layer)
+                                                                   for layer in model], x))]
+    # the layer norm's mean and 1/std, in the dtype this device keeps them in (CPU: x's; CUDA: fp32 for bf16)
+    stat = torch.native_layer_norm(x, (x.shape[-1],), None, None, 1e-5)[1].element_size()
+    return steps[0]["saved"], steps[1]["saved"], max(steps[1]["backward"]), 2 * 2 * s * b * stat
+
+
+@settings(max_examples=15)
+@given(layers=st.integers(1, 3), b=st.integers(1, 2), s=st.integers(1, 8), heads=st.integers(1, 3),
+       head_dim=st.integers(1, 4), precision=st.sampled_from(["fp32", "bf16"]), seed=st.integers(0, 99))
+def test_activation_bytes_equal_what_a_transformer_layer_keeps_with_and_without_checkpointing(
+        layers, b, s, heads, head_dim, precision, seed):
+    """Exact, from the measured bytes saved for backward (measure.SavedTensors): without checkpointing
+    L * Korthikanti's per-layer count, plus the layer norms' statistics (2 norms x mean and 1/std per token,
+    which the paper leaves out); with every layer checkpointed, the L layer inputs, e*sbh each. The
+    planner adds one layer for the recomputation in backward: the peak of activation bytes alive then
+    (measure.LiveActivations) reaches that, and exceeds it by at most the op in flight, whose output is no
+    larger than the largest tensor a layer makes (fc1's 4sbh or the attention scores' as^2b, e bytes each),
+    plus the loss and its gradient seed (e bytes each)."""
+    h = heads * head_dim
+    plain, inputs, peak, stats = kept_for_backward(layers, b, s, heads, head_dim, precision, seed)
+    full, kept = activation_bytes(Model(1, layers, h, heads, s), Plan(dp=1, micro_batch=b, precision=precision))
+    e = cost_model.PRECISIONS[precision][0]
+    assert plain == full + layers * stats
+    assert inputs == layers * e * s * b * h == kept - full // layers
+    assert 0 <= peak - kept - stats <= max(4 * s * b * h, heads * s * s * b) * e + 2 * e

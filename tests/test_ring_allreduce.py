@@ -1,11 +1,16 @@
 """Ring collectives against torch.distributed's own, for drawn shapes, dtypes, ops, world sizes, groups."""
+import contextlib
+import os
+import re
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
 from harness import RankFailure, device, rank_generator, run, subgroup
-from mini_dist import ring_allreduce as ra
+from mini_dist import debug, ring_allreduce as ra
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.int32, torch.int64, torch.int8, torch.uint8]
@@ -24,19 +29,34 @@ def draw_tensor(seed, shape, dtype, op):
     return x.to(dtype).to(device())
 
 
-def all_reduce_both(seed, shape, dtype, op, ranks, segment_bytes):
+@contextlib.contextmanager
+def pipelined(segment_bytes, in_flight):
+    """The ring with segments of segment_bytes and in_flight receives posted ahead in the reduce-scatter."""
+    saved = ra.SEGMENT_BYTES, ra.IN_FLIGHT
+    ra.SEGMENT_BYTES, ra.IN_FLIGHT = segment_bytes, in_flight
+    try:
+        yield
+    finally:
+        ra.SEGMENT_BYTES, ra.IN_FLIGHT = saved
+
+
+# 512 and 4096 B cut the drawn tensors into several segments per chunk; 1 and 3 receives ahead shift which
+# scratch slot a segment lands in
+pipelines = st.tuples(st.sampled_from([512, 4096, ra.SEGMENT_BYTES]), st.sampled_from([1, 2, 3]))
+
+
+def all_reduce_both(seed, shape, dtype, op, ranks, pipeline, transposed=False):
     group = subgroup(ranks) if ranks is not None else None
     if ranks is not None and dist.get_rank() not in ranks:
         return None
     x = draw_tensor(seed, shape, dtype, op)
-    native = x.clone()
+    x = x.t() if transposed and x.dim() == 2 else x  # a strided view: reduced through a contiguous copy
+    # gloo reduces a strided tensor in memory order, the ring in index order: compare in index order
+    native = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(native, op=OPS[op], group=group)
-    old, ra.SEGMENT_BYTES = ra.SEGMENT_BYTES, segment_bytes
-    try:
-        ring = x.clone()
+    ring = x.clone()
+    with pipelined(*pipeline):
         returned = ra.ring_all_reduce(ring, OPS[op], group=group)
-    finally:
-        ra.SEGMENT_BYTES = old
     assert returned is ring  # in place, like dist.all_reduce
     return native.cpu(), ring.cpu()
 
@@ -49,51 +69,55 @@ def dtypes_for(op):
 
 @pytest.mark.parametrize("op", list(OPS))
 @settings(max_examples=12)
-@given(world=st.integers(1, 5), shape=shapes, data=st.data(), seed=st.integers(0, 10**6),
-       segment_bytes=st.sampled_from([512, 4096, ra.SEGMENT_BYTES]))
+@given(world=st.integers(1, 5), shape=shapes, data=st.data(), seed=st.integers(0, 10**6), pipeline=pipelines,
+       transposed=st.booleans())
 def test_ring_all_reduce_is_bit_identical_to_native_for_any_shape_dtype_op_and_world_size(
-        op, world, shape, data, seed, segment_bytes):
+        op, world, shape, data, seed, pipeline, transposed):
     # Bit-identical, floats included: the ring sums chunk c in gloo's order x[c-1] + x[c-2] + ... + x[c]
     # over gloo's chunk layout, and fp16/bf16 adds round to the same half value in both.
     dtype = data.draw(dtypes_for(op))
-    for native, ring in run(world, all_reduce_both, seed, shape, dtype, op, None, segment_bytes):
-        assert ring.dtype == dtype and ring.shape == shape
+    for native, ring in run(world, all_reduce_both, seed, shape, dtype, op, None, pipeline, transposed):
+        assert ring.dtype == dtype and ring.shape == native.shape
         assert torch.equal(native, ring), (native - ring).abs().max()
 
 
 @given(world=st.integers(3, 5), data=st.data(), seed=st.integers(0, 10**6))
 def test_ring_all_reduce_on_a_subgroup_equals_native_on_that_subgroup(world, data, seed):
     ranks = data.draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=world, unique=True))
-    results = run(world, all_reduce_both, seed, (37, 5), torch.float32, "sum", sorted(ranks), 64)
+    results = run(world, all_reduce_both, seed, (37, 5), torch.float32, "sum", sorted(ranks), (64, 2))
     for rank, result in enumerate(results):
         assert (result is None) == (rank not in ranks)
         if result is not None:
             assert torch.equal(*result)
 
 
-def reduce_scatter_both(seed, block, dtype, op):
+def reduce_scatter_both(seed, block, dtype, op, pipeline):
     n = dist.get_world_size()
     x = draw_tensor(seed, (n * block,), dtype, op)
     gathered = torch.empty(n * x.numel(), dtype=dtype, device=device())
     dist.all_gather_single(gathered, x)
     native = torch.empty(block, dtype=dtype, device=device())
     dist.reduce_scatter_single(native, x, op=OPS[op])
-    ring = ra.ring_reduce_scatter(torch.empty_like(native), x, OPS[op])
+    given = x.clone()
+    with pipelined(*pipeline):
+        ring = ra.ring_reduce_scatter(torch.empty_like(native), x, OPS[op])
+    assert torch.equal(x, given)  # the input is left as it was, as by the native reduce-scatter
     return native.cpu(), ring.cpu(), gathered.view(n, -1).cpu()
 
 
 @pytest.mark.parametrize("op", list(OPS))
 @settings(max_examples=12)
-@given(world=st.integers(1, 5), block=st.integers(0, 300), data=st.data(), seed=st.integers(0, 10**6))
+@given(world=st.integers(1, 5), block=st.integers(0, 300), data=st.data(), seed=st.integers(0, 10**6),
+       pipeline=pipelines)
 def test_ring_reduce_scatter_equals_native_exactly_or_within_the_summation_order_bound(
-        op, world, block, data, seed):
+        op, world, block, data, seed, pipeline):
     dtype = data.draw(dtypes_for(op))
     # gloo's reduce-scatter is its all-reduce followed by a slice, so an element is summed in the order
     # of the all-reduce chunk it falls in, while our ring sums block r ending at rank r. Where the two
     # layouts coincide the results are bit-identical; elsewhere only the order of the N terms differs.
     # Each order is within (N-1)u * sum|x| of the exact sum (recursive summation, unit roundoff u), so
     # the two differ by at most 2(N-1)u * sum|x| (+ one rounding of the AVG division).
-    for rank, (native, ring, xs) in enumerate(run(world, reduce_scatter_both, seed, block, dtype, op)):
+    for rank, (native, ring, xs) in enumerate(run(world, reduce_scatter_both, seed, block, dtype, op, pipeline)):
         same_layout = ra.chunk_bounds(world * block, world, xs.element_size())[rank] == (
             rank * block, (rank + 1) * block)
         if same_layout or not dtype.is_floating_point or op in ("max", "min") or world <= 2:
@@ -108,19 +132,20 @@ def test_ring_reduce_scatter_equals_native_exactly_or_within_the_summation_order
             assert ((native.double() - ring.double()).abs() <= bound).all()
 
 
-def all_gather_both(seed, shape, dtype):
+def all_gather_both(seed, shape, dtype, pipeline):
     x = draw_tensor(seed, shape, dtype, "sum")
     n = dist.get_world_size()
     native = torch.empty(n * x.numel(), dtype=dtype, device=device())
     dist.all_gather_single(native, x.reshape(-1))  # gloo wants matching chunk shapes; 0-d becomes (1,)
-    ring = ra.ring_all_gather(torch.empty_like(native), x)
+    with pipelined(*pipeline):
+        ring = ra.ring_all_gather(torch.empty_like(native), x)
     return native.cpu(), ring.cpu()
 
 
 @given(world=st.integers(1, 5), shape=shapes, dtype=st.sampled_from(FLOATS + INTS),
-       seed=st.integers(0, 10**6))
-def test_ring_all_gather_is_bit_identical_to_native(world, shape, dtype, seed):
-    for native, ring in run(world, all_gather_both, seed, shape, dtype):
+       seed=st.integers(0, 10**6), pipeline=pipelines)
+def test_ring_all_gather_is_bit_identical_to_native(world, shape, dtype, seed, pipeline):
+    for native, ring in run(world, all_gather_both, seed, shape, dtype, pipeline):
         assert torch.equal(native, ring)
 
 
@@ -176,24 +201,82 @@ def reduce_mismatched(kind):
         return ra.ring_all_reduce(torch.zeros(3), op=dist.ReduceOp.BAND if r == 2 else ra.SUM)
     elif kind == "dtype_unsupported":
         return ra.ring_all_reduce(torch.zeros(3, dtype=torch.complex64 if r == 0 else torch.float32))
+    elif kind == "gather":
+        return ra.ring_all_gather(torch.empty(3 * (2 + (r == 2))), torch.zeros(2 + (r == 2)))
     elif kind == "avg_int":
         return ra.ring_all_reduce(torch.zeros(3, dtype=torch.int32), op=ra.AVG)
+    elif kind == "complex_everywhere":
+        return ra.ring_all_reduce(torch.zeros(3, dtype=torch.complex64))
     else:
         return ra.ring_reduce_scatter(torch.empty(2), torch.zeros(5))
     return ra.ring_all_reduce(x)
 
 
 @pytest.mark.parametrize("kind, message", [
-    ("shape", r"ranks disagree: rank 0 has shape \(3,\).*rank 1 has shape \(4,\)"),
-    ("dtype", r"rank 1 has shape \(3,\) dtype torch.float64"),
-    ("device", r"rank 1 passed a tensor on the wrong device"),
-    ("op", r"rank 2 asked for an unsupported op"),
-    ("dtype_unsupported", r"rank 0 passed a tensor of an unsupported dtype"),
+    ("shape", r"rank 0 calls ring_all_reduce shape \(3,\).*rank 1 calls ring_all_reduce shape \(4,\)"),
+    ("dtype", r"rank 1 calls ring_all_reduce shape \(3,\) dtype torch.float64"),
+    ("device", r"rank 1 calls ring_all_reduce shape \(3,\) dtype torch.float32 op SUM on meta"),
+    ("op", r"rank 2 calls ring_all_reduce shape \(3,\) dtype torch.float32 op RedOpType.BAND"),
+    ("dtype_unsupported", r"rank 0 calls ring_all_reduce shape \(3,\) dtype torch.complex64"),
+    ("gather", r"rank 2 calls ring_all_gather shape \(3,\)"),
     ("avg_int", r"AVG of torch.int32 tensors would round"),
+    ("complex_everywhere", r"unsupported dtype torch.complex64"),
     ("sizes", r"input has 5 elements, expected group size 3 x output's 2"),
 ])
 def test_bad_input_fails_on_every_rank_with_a_clear_error_and_no_hang(kind, message):
+    # the pools run with MINI_DIST_DEBUG=1: ranks that disagree are caught before any ring step and named
     with pytest.raises(RankFailure, match=message) as info:
         run(3, reduce_mismatched, kind, timeout=30)
-    # every rank raised (none blocked waiting for another): the harness saw three failures, no silence
-    assert str(info.value).count("failed: ValueError") == 3
+    # every rank raised the same error (none blocked waiting for another): three failures, no silence
+    failures = re.findall(r"rank \d failed: (\w+): ", str(info.value))
+    assert len(failures) == 3 and len(set(failures)) == 1, str(info.value)
+
+
+def collectives_issued(on):
+    """Collectives (not sends and receives) one ring all-reduce issues, with the debug mode on or off."""
+    issued = []
+    saved = debug.DEBUG, {name: getattr(dist, name) for name in COLLECTIVES}
+    debug.DEBUG = on
+    for name, fn in saved[1].items():
+        setattr(dist, name, lambda *a, _name=name, _fn=fn, **k: issued.append(_name) or _fn(*a, **k))
+    try:
+        ra.ring_all_reduce(torch.ones(10))
+    finally:
+        debug.DEBUG = saved[0]
+        for name, fn in saved[1].items():
+            setattr(dist, name, fn)
+    return issued
+
+
+COLLECTIVES = ["all_gather_object", "all_gather", "all_gather_single", "all_gather_into_tensor", "all_reduce",
+               "broadcast", "broadcast_object_list", "barrier"]
+
+
+def test_the_agreement_check_costs_a_collective_only_in_debug_mode():
+    # off (the library's default) a ring all-reduce is its 2(N-1) steps of sends and receives, nothing else
+    assert run(3, collectives_issued, False) == [[], [], []]
+    assert run(3, collectives_issued, True) == [["all_gather_object"]] * 3
+
+
+def die_during_all_reduce(dead):
+    if dist.get_rank() == dead:  # agrees on the call, sends its first piece of the ring, then vanishes
+        isend = dist.isend
+
+        def send_then_vanish(*args, **kwargs):
+            isend(*args, **kwargs).wait()
+            os._exit(0)
+        dist.isend = send_then_vanish
+    ra.ring_all_reduce(torch.ones(1000))
+
+
+@pytest.mark.parametrize("world, dead", [(3, 2), (4, 1), (2, 0)])
+def test_a_rank_that_vanishes_mid_ring_is_named_by_its_neighbour_fast_and_the_pool_recovers(world, dead):
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run(world, die_during_all_reduce, dead, timeout=60)
+    assert time.monotonic() - start < 15  # the ranks' own timeout is 30 s: the error came from the lost link
+    # the rank that receives from it (its left neighbour) is the first to know; a rank it was not talking to
+    # is left waiting (under torchrun it fails next, when the ranks that raised exit and close their links)
+    assert re.search(rf"rank {(dead - 1) % world} failed: PeerLost: ring_all_reduce, receiving from it: lost rank "
+                     rf"{dead} .*look for the first error in rank {dead}'s log", str(info.value))
+    assert all(torch.equal(*pair) for pair in run(world, all_reduce_both, 0, (5,), torch.float32, "sum", None, (64, 2)))

@@ -1,8 +1,9 @@
-"""Tensor parallelism equals the dense PyTorch modules it splits: nn.Linear, an nn.Sequential MLP,
-nn.MultiheadAttention and a pre-norm block of them (the vocabulary is tested in test_vocab_parallel.py).
-Outputs, input gradients and all-gathered weight gradients, in fp64, for TP sizes 1-4 on groups that need
-not span the pool (a TP group of 3 inside a pool of 4 or 5; two groups of 2 side by side in a pool of 4),
-with and without sequence parallelism. The collectives per layer are counted at torch.distributed itself.
+"""Tensor-parallel linear layers and MLPs equal the dense PyTorch modules they split (nn.Linear, an
+nn.Sequential MLP) and PyTorch's own tensor parallelism (torch.distributed.tensor.parallel). Outputs, input
+gradients and all-gathered weight gradients, in fp64, for TP sizes 1-4 on groups that need not span the pool
+(a TP group of 3 inside a pool of 4 or 5; two groups of 2 side by side in a pool of 4), with and without
+sequence parallelism. The collectives are counted at torch.distributed itself. Attention and the block are
+tested in test_parallel_transformer.py, the vocabulary in test_vocab_parallel.py, with the helpers here.
 
 Tolerance. Both sides compute the same sums in a different order: a matmul split in T pieces whose
 partial results are added by an all-reduce, a softmax whose max and sum come from T shards. Reordering a
@@ -11,9 +12,11 @@ are O(1), so differences stay below ~1e-13 of the largest value (seen: <= 1.1e-1
 We allow TOL = 1000 * eps(fp64) = 2.2e-13 relative to max(1, largest value). A wrong shard, a missing or
 doubled reduction or a bias added T times is an O(1) error.
 """
+import contextlib
 import copy
+import time
+from collections import Counter
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -21,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import device, run, subgroup
+from mini_dist import comm, debug
 from mini_dist import tensor_parallel as tp
 
 F64 = torch.float64
@@ -63,6 +67,14 @@ def _fresh_copy(dense):
     return blank
 
 
+def reassign_every_parameter(module):
+    """What users and tests do: `layer.weight = nn.Parameter(...)`, a fresh (zero) object for every parameter."""
+    for name, p in list(module.named_parameters()):
+        owner, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(owner), attr, nn.Parameter(torch.zeros_like(p)))
+    return module
+
+
 def seq_shard(t, group):
     return t.chunk(dist.get_world_size(group), 1)[dist.get_rank(group)]
 
@@ -89,7 +101,7 @@ def run_both(dense, parallel, group, x, shard_in, shard_out, sp, ref=None):
 worlds_and_sizes = st.integers(1, 4).flatmap(lambda T: st.tuples(st.just(T), st.integers(T, 5)))  # (T, pool)
 
 
-# ----- the conjugate operators -----
+# ----- the conjugate operators (from comm.py), as the layers use them -----
 
 OPERATORS = {  # name: (forward on rank r, backward on rank r), from every rank's inputs xs / output grads dys
     "f": (lambda xs, r, T: xs[r], lambda dys, r, T: sum(dys)),
@@ -115,7 +127,7 @@ def operators_worker(seed, T, shape):
     for name, (forward, backward) in OPERATORS.items():
         xs = every_ranks(0, shape)
         x = xs[r].clone().requires_grad_()
-        out = getattr(tp, name)(x, group)
+        out = getattr(comm, name)(x, group)
         dys = every_ranks(1, out.shape)
         out.backward(dys[r])
         errors += [(name, rel_err(out, forward(xs, r, T)), rel_err(x.grad, backward(dys, r, T)))]
@@ -132,7 +144,7 @@ def test_conjugate_operators_do_the_collective_they_name_forward_and_its_conjuga
             assert forward_error < TOL and backward_error < TOL, (name, forward_error, backward_error)
 
 
-# ----- linear layers -----
+# ----- linear layers and MLPs -----
 
 def linear_worker(seed, T, batch, seq, in_k, out_k, column, option, sp, bias):
     group, index = tp_group(T)
@@ -167,47 +179,40 @@ def test_column_and_row_parallel_linear_equal_nn_linear(T_world, batch, seq, in_
     assert errors and max(errors) < TOL, errors
 
 
-# ----- MLP, attention, block -----
+def dense_mlp(h):
+    return nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)).to(device(), F64)
 
-def module_worker(kind, seed, T, batch, seq, heads_k, head_dim, causal, sp):
+
+def mlp_worker(seed, T, batch, seq, h_k, naive, sp, reassign=False):
     group, index = tp_group(T)
     if group is None:
         return None
     seed_group(seed, index)
-    heads, s = heads_k * T, seq * T
-    h = heads * head_dim
-    kw = dict(sequence_parallel=sp, group=group, device=device(), dtype=F64)
-    mask = torch.ones(s, s, dtype=torch.bool, device=device()).triu(1) if causal else None
-    ref = None
-    if kind == "mlp":
-        dense = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)).to(device(), F64)
-        parallel = tp.ParallelMLP(h, **kw)
-    elif kind == "attention":
-        dense = nn.MultiheadAttention(h, heads, batch_first=True, device=device(), dtype=F64)
-        parallel = tp.ParallelAttention(h, heads, causal, **kw)
-        ref = lambda x: dense(x, x, x, attn_mask=mask, need_weights=False)[0]  # noqa: E731
-    else:
-        dense = tp.TransformerBlock(h, heads, causal, device=device(), dtype=F64)
-        parallel = tp.ParallelTransformerBlock(h, heads, causal, **kw)
-    with torch.no_grad():  # layer norms start at weight 1, bias 0: randomise them so their grads matter
-        for p in dense.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    tp.shard_from_dense(parallel, dense, group)
-    x = torch.randn(batch, s, h, device=device(), dtype=F64)
+    h, s = h_k * T, seq * T
+    dense = dense_mlp(h)
+    build = tp.naive_parallel_mlp(h, group=group, device=device(), dtype=F64) if naive else \
+        tp.ParallelMLP(h, sequence_parallel=sp, group=group, device=device(), dtype=F64)
+    parallel = tp.shard_from_dense(reassign_every_parameter(build) if reassign else build, dense, group)
     shard = (lambda t: seq_shard(t, group)) if sp else (lambda t: t)
-    return run_both(dense, parallel, group, x, shard, shard, sp, ref)
+    return run_both(dense, parallel, group, torch.randn(batch, s, h, device=device(), dtype=F64), shard, shard, sp)
 
 
-@pytest.mark.parametrize("kind", ["mlp", "attention", "block"])  # vs nn.Sequential / nn.MultiheadAttention / both
 @settings(max_examples=12)
-@given(worlds_and_sizes, st.integers(1, 2), st.integers(1, 3), st.integers(1, 2), st.integers(1, 4),
-       st.booleans(), st.booleans(), st.integers(0, 2**16))
-def test_parallel_mlp_attention_and_block_equal_their_dense_pytorch_modules(kind, T_world, batch, seq, heads_k,
-                                                                           head_dim, causal, sp, seed):
+@given(worlds_and_sizes, st.integers(1, 2), st.integers(1, 3), st.integers(1, 3), st.sampled_from(
+    [(True, False), (False, False), (False, True)]), st.integers(0, 2**16))
+def test_naive_and_megatron_mlp_equal_the_dense_nn_sequential(T_world, batch, seq, h_k, naive_sp, seed):
     T, world = T_world
-    errors = [e for e in run(world, module_worker, kind, seed, T, batch, seq, heads_k, head_dim, causal, sp)
-              if e is not None]
+    errors = [e for e in run(world, mlp_worker, seed, T, batch, seq, h_k, *naive_sp) if e is not None]
     assert errors and max(errors) < TOL, errors
+
+
+def test_a_fresh_nn_parameter_assigned_to_a_sharded_weight_keeps_its_layout():
+    # gather_to_dense must still all-gather the sharded weights, and under SP the row bias's partial
+    # gradients must still be summed: a layout lost with the old Parameter object is an O(1) error
+    for world, T in [(3, 3), (4, 2)]:
+        for sp in (False, True):
+            errors = [e for e in run(world, mlp_worker, 7, T, 2, 2, 2, False, sp, True) if e is not None]
+            assert errors and max(errors) < TOL, (world, T, sp, errors)
 
 
 def native_worker(seed, T):
@@ -220,7 +225,7 @@ def native_worker(seed, T):
         return None
     seed_group(seed, index)
     mesh = DeviceMesh.from_group(group, device().type)
-    dense = nn.Sequential(nn.Linear(3 * T, 12 * T), nn.GELU(), nn.Linear(12 * T, 3 * T)).to(device(), F64)
+    dense = dense_mlp(3 * T)
     x = torch.randn(2, 2 * T, 3 * T, device=device(), dtype=F64)
     errors = []
     for sp in (False, True):
@@ -247,62 +252,79 @@ def test_parallel_mlp_equals_torch_distributed_tensor_parallel_with_and_without_
 
 # ----- collectives, counted at torch.distributed -----
 
-def count_worker(T, layers, sp):
-    group, index = tp_group(T)
-    if group is None:
-        return None
-    seen = {}
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single",
-                                                        "reduce_scatter_single")}
+DATA_COLLECTIVES = {"all_reduce": "all_reduce", "all_gather": "all_gather_single",
+                    "reduce_scatter": "reduce_scatter_single"}  # COUNTER's kind: the torch.distributed call
+EVERY_COLLECTIVE = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather", "all_gather_object",
+                    "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "broadcast_object_list",
+                    "all_to_all_single", "barrier")
+
+
+@contextlib.contextmanager
+def collectives_seen(names=EVERY_COLLECTIVE):
+    """Every call this rank makes to these torch.distributed functions inside the block, by name."""
+    seen, originals = Counter(), {name: getattr(dist, name) for name in names}
 
     def counting(name):
         def call(*args, **kwargs):
-            seen[name] = seen.get(name, 0) + 1
+            seen[name] += 1
             return originals[name](*args, **kwargs)
         return call
-    b, s, h, heads = 2, 2 * T, 4 * T, T
-    block = nn.Sequential(*[tp.ParallelTransformerBlock(h, heads, sequence_parallel=sp, group=group,
-                                                        device=device()) for _ in range(layers)])
-    x = torch.randn(b, s // T if sp else s, h, device=device(), requires_grad=True)
     for name in originals:
         setattr(dist, name, counting(name))
     try:
-        tp.COUNTER.reset()
-        out = block(x)
-        forward, forward_seen, forward_bytes = dict(tp.COUNTER.calls), dict(seen), dict(tp.COUNTER.bytes)
-        tp.COUNTER.reset()
-        seen.clear()
-        out.sum().backward()
-        backward, backward_seen, backward_bytes = dict(tp.COUNTER.calls), dict(seen), dict(tp.COUNTER.bytes)
+        yield seen
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-    payload = b * s * h * 4  # every collective of a layer moves one [b, s, h] fp32 activation
-    for calls, nbytes in [(forward, forward_bytes), (backward, backward_bytes)]:
-        assert nbytes == {k: payload * n for k, n in calls.items()}, (nbytes, calls, payload)
-    return forward, forward_seen, backward, backward_seen
 
 
-@settings(max_examples=10)
-@given(worlds_and_sizes, st.integers(1, 3), st.booleans())
-def test_two_all_reduces_per_layer_each_way_or_their_reduce_scatter_all_gather_halves(T_world, layers, sp):
+def forward_backward_counted(module, x):
+    """({kind: calls}, {kind: payload bytes}, {dist function: calls}) for forward, then the same for backward."""
+    with collectives_seen(DATA_COLLECTIVES.values()) as seen:
+        comm.COUNTER.reset()
+        out = module(x)
+        forward = dict(comm.COUNTER.calls), dict(comm.COUNTER.bytes), dict(seen)
+        comm.COUNTER.reset()
+        seen.clear()
+        out.sum().backward()
+        return forward, (dict(comm.COUNTER.calls), dict(comm.COUNTER.bytes), dict(seen))
+
+
+def assert_counted(result, want):
+    """want: ({kind: calls}, {kind: payload bytes}) forward, then backward; the counter equal to torch's own."""
+    for (calls, nbytes, seen), (want_calls, want_bytes) in zip(result, want):
+        assert (calls, nbytes) == (want_calls, want_bytes), (result, want)
+        assert seen == {DATA_COLLECTIVES[k]: v for k, v in want_calls.items()}, result  # the counter tells the truth
+
+
+def mlp_count_worker(T, naive, sp):
+    group, _ = tp_group(T)
+    if group is None:
+        return None
+    b, s, h = 2, 2 * T, 2 * T
+    mlp = tp.naive_parallel_mlp(h, group=group, device=device()) if naive else \
+        tp.ParallelMLP(h, sequence_parallel=sp, group=group, device=device())
+    return forward_backward_counted(mlp, torch.randn(b, s // T if sp else s, h, device=device(), requires_grad=True))
+
+
+@settings(max_examples=8)
+@given(worlds_and_sizes, st.sampled_from([(True, False), (False, False), (False, True)]))
+def test_megatron_mlp_moves_one_activation_each_way_where_the_naive_one_moves_five(T_world, naive_sp):
     T, world = T_world
-    names = {"all_reduce": "all_reduce", "all_gather": "all_gather_single",
-             "reduce_scatter": "reduce_scatter_single"}
-    if T == 1:
-        want_fwd = want_bwd = {}
-    elif sp:  # backward gathers each column layer's input again instead of storing it (SP paper, 4.2.2)
-        want_fwd, want_bwd = {"all_gather": 2 * layers, "reduce_scatter": 2 * layers}, {
-            "all_gather": 4 * layers, "reduce_scatter": 2 * layers}
+    naive, sp = naive_sp
+    D = 2 * (2 * T) * (2 * T) * 4  # bytes of one [b, s, h] fp32 activation
+    if T == 1:  # a group of one communicates nothing
+        want = [({}, {})] * 2
+    elif naive:  # forward gathers [b, s, 4h] and [b, s, h]; backward each layer's f all-reduces its grad x
+        want = [({"all_gather": 2}, {"all_gather": 5 * D}), ({"all_reduce": 2}, {"all_reduce": 5 * D})]
+    elif sp:  # the all-reduce as its two halves; backward gathers the column layer's input again
+        want = [({"all_gather": 1, "reduce_scatter": 1}, {"all_gather": D, "reduce_scatter": D}),
+                ({"all_gather": 2, "reduce_scatter": 1}, {"all_gather": 2 * D, "reduce_scatter": D})]
     else:
-        want_fwd = want_bwd = {"all_reduce": 2 * layers}
-    for result in run(world, count_worker, T, layers, sp):
-        if result is None:
-            continue
-        forward, forward_seen, backward, backward_seen = result
-        assert forward == want_fwd and backward == want_bwd, result
-        assert forward_seen == {names[k]: v for k, v in want_fwd.items()}, result  # the counter tells the truth
-        assert backward_seen == {names[k]: v for k, v in want_bwd.items()}, result
+        want = [({"all_reduce": 1}, {"all_reduce": D})] * 2
+    for result in run(world, mlp_count_worker, T, naive, sp):
+        if result is not None:
+            assert_counted(result, want)
 
 
 # ----- errors: clear, identical on every rank, before anyone blocks -----
@@ -331,31 +353,30 @@ def assert_same_clear_errors(results, expected):
 def errors_worker():
     group, _ = tp_group(2)
     x = lambda *shape: torch.randn(shape, device=device())  # noqa: E731
-    return error_messages([lambda: tp.ParallelAttention(9, 3, group=group),
-                           lambda: tp.ParallelAttention(10, 4, group=group),
-                           lambda: tp.ColumnParallelLinear(4, 5, group=group),
+    return error_messages([lambda: tp.ColumnParallelLinear(4, 5, group=group),
                            lambda: tp.RowParallelLinear(5, 4, group=group),
                            lambda: tp.ColumnParallelLinear(4, 6, group=group)(x(2, 3, 5)),
                            lambda: tp.RowParallelLinear(4, 6, group=group)(x(2, 3, 4)),
                            lambda: tp.ParallelMLP(4, sequence_parallel=True, group=group)(x(2, 4)),
-                           lambda: tp.split_to_sp(x(2, 3, 4), group),
+                           lambda: comm.split_to_sp(x(2, 3, 4), group),
                            lambda: tp.shard_from_dense(tp.ColumnParallelLinear(4, 6, group=group),
                                                        nn.Linear(4, 8), group),
-                           lambda: tp.shard_from_dense(tp.ParallelMLP(4, group=group), nn.Linear(4, 4), group)])
+                           lambda: tp.shard_from_dense(tp.ParallelMLP(4, group=group), nn.Linear(4, 4), group),
+                           lambda: tp.gather_to_dense(tp.ColumnParallelLinear(4, 6, group=group),
+                                                      nn.Linear(4, 8), group)])
 
 
 def test_bad_sizes_and_shapes_raise_clear_errors_on_every_rank_without_blocking():
     assert_same_clear_errors(run(4, errors_worker), [
-        "num_heads=3 is not divisible by the tensor-parallel size 2",
-        "hidden=10 is not divisible by num_heads=4",
-        "out_features=5 is not divisible by the tensor-parallel size 2",
-        "in_features=5 is not divisible by the tensor-parallel size 2",
+        "out_features=5 is not divisible by the parallel size 2",
+        "in_features=5 is not divisible by the parallel size 2",
         "ColumnParallelLinear expects inputs [..., 4], got (2, 3, 5)",
         "RowParallelLinear expects inputs [..., 2], got (2, 3, 4)",
         "sequence parallel needs [batch, seq/T, hidden] inputs, got (2, 4)",
-        "size 3 along dim 1 is not divisible by the tensor-parallel size 2",
+        "size along dim 1=3 is not divisible by the parallel size 2",
         "shard of shape (4, 4) does not fit a parameter of shape (3, 4)",
-        "the dense module has no parameter '0.weight'"])
+        "the dense module has no parameter '0.weight'",
+        "gathered shape (6, 4) does not fit the dense parameter of shape (8, 4)"])
 
 
 def outsider_worker():
@@ -371,3 +392,81 @@ def outsider_worker():
 def test_a_rank_outside_the_group_is_told_so():
     assert "is not in this tensor-parallel group" in run(3, outsider_worker)[2]
 
+
+# ----- ranks that disagree (MINI_DIST_DEBUG=1): named on every rank, no output, the group still in step -----
+
+def provoke(layer, good, bad, make=lambda shape: torch.randn(shape, device=device(), dtype=F64)):
+    """Rank 1 feeds `bad`, every other rank `good`, in debug mode: what this rank raised (None: it produced
+    output) and how long that took; then every rank feeds `good` again, which must work (the output shape)."""
+    before, debug.DEBUG = debug.DEBUG, True
+    try:
+        start = time.monotonic()
+        try:
+            layer(make(bad if dist.get_rank() == 1 else good))
+            message = None
+        except debug.Disagreement as e:
+            message = str(e)
+        elapsed = time.monotonic() - start
+        return message, elapsed, tuple(layer(make(good)).shape)
+    finally:
+        debug.DEBUG = before
+
+
+def assert_named_on_every_rank(results, operation, good, bad, after):
+    """Every rank raised the same error naming rank 1, the operation and both shapes, within seconds (not
+    the 30 s timeout of a hang), and the layer works afterwards on agreeing inputs."""
+    messages = {message for message, _, _ in results}
+    assert len(messages) == 1 and None not in messages, f"some rank produced output or a different error: {results}"
+    message = messages.pop()
+    for part in ("rank 1", operation, str(tuple(good)), str(tuple(bad))):
+        assert part in message, (part, message)
+    assert max(elapsed for _, elapsed, _ in results) < 10, results
+    assert all(shape == after for _, _, shape in results), results
+
+
+LAYER_CASES = {  # name: (world, layer on the whole pool, shape on every rank but 1, shape on rank 1, output after)
+    # a ParallelMLP fed [3, 2, 6] on rank 1 and [2, 3, 6] elsewhere: the all-reduce would sum mismatched tokens
+    "mlp": (3, lambda: tp.ParallelMLP(6, dtype=F64), (2, 3, 6), (3, 2, 6), (2, 3, 6)),
+    # a gathered column layer with batch 5 on rank 1 and 4 elsewhere: the all-gather sizes would not match
+    "column gathered": (3, lambda: tp.ColumnParallelLinear(4, 6, gather_output=True, dtype=F64), (4, 4), (5, 4),
+                        (4, 6)),
+    "column": (2, lambda: tp.ColumnParallelLinear(4, 6, dtype=F64), (2, 3, 4), (3, 2, 4), (2, 3, 3)),
+    "row": (4, lambda: tp.RowParallelLinear(8, 4, dtype=F64), (2, 3, 2), (2, 3, 5), (2, 3, 4)),
+    "naive mlp": (2, lambda: tp.naive_parallel_mlp(4, dtype=F64), (2, 3, 4), (2, 2, 4), (2, 3, 4)),
+    "column SP": (2, lambda: tp.ColumnParallelLinear(4, 6, sequence_parallel=True, dtype=F64), (2, 3, 4),
+                  (2, 2, 4), (2, 6, 3)),
+    "row SP": (5, lambda: tp.RowParallelLinear(10, 4, sequence_parallel=True, dtype=F64), (2, 5, 2), (2, 10, 2),
+               (2, 1, 4)),
+    "mlp SP": (4, lambda: tp.ParallelMLP(4, sequence_parallel=True, dtype=F64), (1, 2, 4), (2, 1, 4), (1, 2, 4)),
+}
+
+
+def layer_disagreement_worker(case):
+    _, build, good, bad, _ = LAYER_CASES[case]
+    torch.manual_seed(0)
+    return provoke(build(), good, bad)
+
+
+def test_a_rank_whose_input_shape_differs_is_named_on_every_rank_by_every_layer():
+    for case, (world, build, good, bad, after) in LAYER_CASES.items():
+        first = "ColumnParallelLinear" if "row" not in case else "RowParallelLinear"
+        assert_named_on_every_rank(run(world, layer_disagreement_worker, case), first, good, bad, after)
+
+
+def debug_off_worker(on):
+    """The collectives a Megatron MLP issues forward and backward, every torch.distributed call counted."""
+    before, debug.DEBUG = debug.DEBUG, on
+    try:
+        mlp = tp.ParallelMLP(4, device=device())
+        with collectives_seen() as seen:
+            mlp(torch.randn(2, 3, 4, device=device(), requires_grad=True)).sum().backward()
+        return dict(seen)
+    finally:
+        debug.DEBUG = before
+
+
+def test_debug_mode_off_issues_no_collective_beyond_the_layers_own():
+    for seen in run(2, debug_off_worker, False):
+        assert seen == {"all_reduce": 2}, seen  # g forward, f backward: nothing else
+    for seen in run(2, debug_off_worker, True):  # on, the agreements show up where they are counted
+        assert seen["all_reduce"] == 2 and seen["all_gather_object"] >= 4, seen

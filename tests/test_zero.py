@@ -9,13 +9,12 @@ or not at all, lost state) moves parameters by about lr * |grad|, with lr >= 1e-
 1: ten million times more. Where results must be bit-identical (the same operations on the same
 numbers), the test says why and uses torch.equal.
 """
-import io
 import re
 
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -111,7 +110,7 @@ def equivalence_worker(shapes, stage, opt_name, hp, collectives, steps):
     train(ours, zero, seeds)
     ddp_model = Toy(shapes, torch.float64)
     ddp = DDP(ddp_model)
-    ddp_opt = cls([p for p in ddp.parameters() if p.requires_grad], **hp)
+    ddp_opt = cls(ddp.parameters(), **hp)  # the frozen one too: state dict indices count every parameter
     train(ddp_model, ddp_opt, seeds, ddp)
     zro_model = Toy(shapes, torch.float64)
     zro_ddp = DDP(zro_model)
@@ -199,7 +198,8 @@ def master_weights_worker(shapes, stage, opt_name, hp, steps):
     saved = zero.state_dict(to=0)
     if saved is None:
         return torch.equal(flat(ours), flat(ref)), True
-    ours_masters = [saved["state"][i]["master_param"] for i in range(len(masters))]
+    trained = [i for i, p in enumerate(ours.parameters()) if p.requires_grad]  # indices count frozen ones too
+    ours_masters = [saved["state"][i]["master_param"] for i in trained]
     return torch.equal(flat(ours), flat(ref)), all(
         a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(ours_masters, masters))
 
@@ -227,7 +227,7 @@ def ledger_worker(shapes, stage, opt_name, hp, half):
     train(model, zero, [0])
     LEDGER.reset()
     train(model, zero, [1])
-    sharded = {k: v.numel() for k, v in zero.optimizer.state[zero.master].items() if v.dim() > 0}
+    sharded = {k: v.numel() for k, v in zero.optimizer.state[zero.slices[0]].items() if v.dim() > 0}
     plain_model = Toy(shapes, dtype)  # the unsharded optimizer, one step on this rank alone
     plain = cls(plain_model.ps, **hp)
     train(plain_model, plain, [0])
@@ -278,52 +278,55 @@ def test_memory_ledger_of_params_grads_and_state_equals_the_stage_formula_exactl
         assert {k: mem[k] for k in want} == want
 
 
-# ----------------------------------------------------------------------------- state dict
+# ----------------------------------------------------------------------------- param groups
 
 
-def round_trip_worker(shapes, stage, stage_after, opt_name, hp, half, to, broadcast, t1, t2):
-    cls, dtype = OPTIMIZERS[opt_name], torch.bfloat16 if half else torch.float32
-    never_stopped = Toy(shapes, dtype)
-    straight = ZeroOptimizer(never_stopped.parameters(), cls, stage=stage_after, **hp)
-    train(never_stopped, straight, range(t1 + t2))
-    first = Toy(shapes, dtype)
-    zero = ZeroOptimizer(first.parameters(), cls, stage=stage, **hp)
-    train(first, zero, range(t1))
-    saved = zero.state_dict(to=to)
-    assert (saved is None) == (dist.get_rank() != to)
-    if saved is not None:  # through bytes, as a checkpoint file would be
-        buffer = io.BytesIO()
-        torch.save({"model": first.state_dict(), "optimizer": saved}, buffer)
-        saved = buffer.getvalue()
-    box = [saved]
-    dist.broadcast_object_list(box, src=to)  # every rank reads the model back
-    checkpoint = torch.load(io.BytesIO(box[0]), weights_only=True)
-    resumed = Toy(shapes, dtype)
-    resumed.load_state_dict(checkpoint["model"])
-    fresh = ZeroOptimizer(resumed.parameters(), cls, stage=stage_after, **hp)
-    if broadcast:  # only rank `to` passes the optimizer state; the others pass None
-        fresh.load_state_dict(checkpoint["optimizer"] if dist.get_rank() == to else None, src=to)
-    else:
-        fresh.load_state_dict(checkpoint["optimizer"])
-    train(resumed, fresh, range(t1, t1 + t2))
-    # the loaded shard must not keep the whole consolidated buffer alive: the same bytes as never stopping
-    return (torch.equal(flat(resumed), flat(never_stopped)),
-            memory_ledger(resumed.ps, fresh) == memory_ledger(never_stopped.ps, straight))
+def param_groups(model, grouped: bool, lr: float):
+    """All parameters in one group, or two: the frozen one and the first without weight decay, the rest
+    at half the learning rate (the group may be empty)."""
+    if not grouped:
+        return model.parameters()
+    ps = list(model.ps)
+    return [{"params": [model.frozen, ps[0]], "weight_decay": 0.0}, {"params": ps[1:], "lr": lr / 2}]
 
 
-@settings(max_examples=12)
-@given(world=st.integers(1, 5), shapes=shapes, stage=st.integers(0, 2), stage_after=st.integers(0, 2),
-       opt=hyperparameters, half=st.booleans(), data=st.data(), broadcast=st.booleans(),
-       t1=st.integers(1, 3), t2=st.integers(1, 2))
-def test_consolidated_state_dict_round_trip_continues_exactly_as_if_never_stopped(
-        world, shapes, stage, stage_after, opt, half, data, broadcast, t1, t2):
-    assume(any(len(s) > 0 for s in shapes))  # all-0-dim models are refused by load_state_dict (see below)
-    to = data.draw(st.integers(0, world - 1))
-    # Bit for bit: the same operations on the same numbers (and every stage gives identical bits, so the
-    # state saved by one stage may be resumed by another)
-    for same, same_memory in run(world, round_trip_worker, shapes, stage, stage_after, *opt, half, to,
-                                 broadcast, t1, t2):
-        assert same and same_memory
+# ----------------------------------------------------------------------------- LR schedulers, param groups
+
+
+def scheduled_worker(shapes, opt_name, hp, scheduler, stage, steps):
+    """ZeroOptimizer and ZeroRedundancyOptimizer (on native DDP) with the same two param groups and the
+    same LR scheduler: parameters, and every group's settings, after each step."""
+    cls, S = OPTIMIZERS[opt_name], torch.optim.lr_scheduler
+    schedulers = {"StepLR": lambda o: S.StepLR(o, step_size=1, gamma=0.5),
+                  "LambdaLR": lambda o: S.LambdaLR(o, lambda t: 1 / (1 + t)),
+                  "OneCycleLR": lambda o: S.OneCycleLR(o, max_lr=[0.1, 0.05], total_steps=steps)}
+    ours, ref = Toy(shapes, torch.float64), Toy(shapes, torch.float64)
+    zero = ZeroOptimizer(param_groups(ours, True, hp["lr"]), cls, stage=stage, **hp)
+    ddp = DDP(ref)
+    zro = ZeroRedundancyOptimizer(param_groups(ref, True, hp["lr"]), cls, **hp)
+    assert isinstance(zero, torch.optim.Optimizer)
+    diffs, settings_equal = [], True
+    for optimizer, model, wrapped in [(zero, ours, None), (zro, ref, ddp)]:
+        optimizer.scheduler = schedulers[scheduler](optimizer)
+    for seed in range(steps):
+        for optimizer, model, wrapped in [(zero, ours, None), (zro, ref, ddp)]:
+            train(model, optimizer, [seed], wrapped)
+            optimizer.scheduler.step()
+        diffs.append(max_diff(flat(ours), flat(ref)))
+        settings_equal &= [{k: g[k] for k in ("lr", "weight_decay", "betas", "momentum") if k in g}
+                           for g in zero.param_groups] == [
+            {k: g[k] for k in ("lr", "weight_decay", "betas", "momentum") if k in g} for g in zro.param_groups]
+    return max(diffs), settings_equal, zero.param_groups[1]["lr"]
+
+
+@settings(max_examples=10)
+@given(world=st.integers(1, 4), shapes=st.lists(st.lists(st.integers(1, 5), max_size=2).map(tuple), min_size=2,
+                                                max_size=3),
+       opt=hyperparameters, scheduler=st.sampled_from(["StepLR", "LambdaLR", "OneCycleLR"]), stage=st.integers(0, 2))
+def test_lr_schedulers_and_param_groups_act_as_on_zero_redundancy_optimizer(world, shapes, opt, scheduler, stage):
+    for diff, settings_equal, last_lr in run(world, scheduled_worker, shapes, *opt, scheduler, stage, steps=4):
+        assert diff <= FP64_TOL and settings_equal
+        assert last_lr != opt[1]["lr"] / 2  # the scheduler did move the learning rate
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -349,13 +352,22 @@ def bad_input_worker(case):
             other = Toy([(4, 4), (5,)], torch.float32)
             saved = sgd(other.ps, lr=0.1, momentum=0.9)
             train(other, saved, [0])
-            ZeroOptimizer(model.parameters(), sgd, lr=0.1, momentum=0.9).load_state_dict(saved.state_dict())
+            ZeroOptimizer(model.ps, sgd, lr=0.1, momentum=0.9).load_state_dict(saved.state_dict())
+        elif case == "other grouping":  # the same parameters, saved by an optimizer with two groups
+            saved = sgd([{"params": [model.ps[0]]}, {"params": [model.ps[1]], "lr": 0.2}], lr=0.1)
+            ZeroOptimizer(model.ps, sgd, lr=0.1).load_state_dict(saved.state_dict())
+        elif case == "late group":
+            ZeroOptimizer([model.ps[0]], sgd, lr=0.1).add_param_group({"params": [model.ps[1]]})
+        elif case == "detached":  # the model cast after the optimizer was built: it would step a stale copy
+            zero = ZeroOptimizer(model.named_parameters(), sgd, lr=0.1)
+            model.double()
+            train(model, zero, [0])
         elif case == "all 0-dim":
             scalar = Toy([()], torch.float32)
             zero = ZeroOptimizer(scalar.parameters(), torch.optim.Adam, lr=0.1)
             train(scalar, zero, [0])
             zero.load_state_dict(zero.state_dict(to=0), src=0)
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:
         dist.barrier()  # the group is still in step: everyone raised before blocking anywhere
         return str(e)
     return None
@@ -367,6 +379,9 @@ def bad_input_worker(case):
     ("dtypes", r"rank 2: need parameters .* of one dtype and device; got \['torch.float32/.*', 'torch.float64"),
     ("to", r"to=3 is not a rank of the group \(0..2\)"),
     ("other model", r"state 'momentum_buffer' of parameter 0 has 16 elements, the parameter has 12"),
+    ("other grouping", r"expected param groups of \[2\] parameters; got \[1, 1\]: another model or grouping"),
+    ("late group", r"cannot add a param group after construction: every rank's shard would move"),
+    ("detached", r"parameter ps.0's .data was replaced after the ZeroOptimizer was built"),
     ("all 0-dim", r"every parameter is 0-dim"),
 ])
 def test_bad_input_raises_the_same_clear_error_on_every_rank_without_hanging(case, message):
@@ -393,7 +408,7 @@ def cuda_memory_worker(stage):
     # outside the ledger: the frozen parameter (12 B in one block) and any step counter kept on the GPU
     # (Adam keeps it on the CPU unless capturable or fused)
     extra = block(model.frozen.untyped_storage().nbytes()) + sum(
-        block(v.nbytes) for v in zero.optimizer.state[zero.master].values() if v.dim() == 0 and v.is_cuda)
+        block(v.nbytes) for v in zero.optimizer.state[zero.slices[0]].values() if v.dim() == 0 and v.is_cuda)
     return torch.cuda.memory_allocated(dev) - base, mem["params"] + mem["grads"] + mem["state"] + extra
 
 

@@ -1,0 +1,101 @@
+"""Every head-to-head timing against PyTorch's native implementation, in one place.
+
+    torchrun --standalone --nproc_per_node=4 -m mini_dist.bench              # all of them
+    torchrun --standalone --nproc_per_node=4 -m mini_dist.bench ddp zero     # some of them
+    ./run.sh bench [NPROC] [NAMES]                                           # the same, through run.sh
+
+How we time, so that a busy, shared machine says as little as possible about the result:
+- the two sides take turns (ours, native, native, ours, ...), so noise slows both alike;
+- before each timed call every rank meets at a barrier, and a call lasts as long as its slowest rank
+  (one all-reduce of MAX of the ranks' times), because a collective is as slow as its slowest rank;
+- warm-up calls are dropped, and we report medians: of each side's times and of the paired ratios.
+
+Each file of this package registers its benchmarks in BENCHES = {name: function(args) -> [Result]}.
+The runner prints one table, each ratio beside its target, and exits non-zero when a ratio misses its
+target in this run (a benchmark, not a unit test: the test suite stays free of timing).
+"""
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mini_dist.launch import device
+
+
+@dataclass
+class Result:
+    """One row of the table: ours against the native reference (seconds, medians), the target ratio."""
+    name: str
+    ours: float
+    native: float
+    ratio: float           # median of paired ratios ours/native (not ours/native of the medians)
+    target: float | None   # ours/native must be <= target; None: measured, no target
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.target is None or self.ratio <= self.target
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def timed(fn, group=None) -> float:
+    """Seconds fn() takes on the slowest rank of the group, after a barrier, device work included."""
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    fn()
+    if device().type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device())
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return elapsed.item()
+
+
+def paired(sides: dict, repeats: int, warmup: int = 1, group=None) -> dict[str, list[float]]:
+    """{name: fn} -> {name: seconds per repeat}: the sides take turns, in an order that alternates."""
+    names, times = list(sides), {name: [] for name in sides}
+    for i in range(warmup + repeats):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            t = timed(sides[name], group)
+            if i >= warmup:
+                times[name].append(t)
+    return times
+
+
+def compare(name: str, ours, native, repeats: int, target: float | None, warmup: int = 1, note: str = "",
+            group=None) -> Result:
+    """Time ours() against native() in turns: a Result with both medians and the median paired ratio."""
+    t = paired({"ours": ours, "native": native}, repeats, warmup, group)
+    ratio = median([a / b for a, b in zip(t["ours"], t["native"])])
+    return Result(name, median(t["ours"]), median(t["native"]), ratio, target, note)
+
+
+def with_debug(fn, on: bool):
+    """fn with mini_dist's debug checks (MINI_DIST_DEBUG) switched on or off for the call: their price."""
+    from mini_dist import debug
+
+    def call():
+        saved, debug.DEBUG = debug.DEBUG, on
+        try:
+            fn()
+        finally:
+            debug.DEBUG = saved
+    return call
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def table(results: list[Result]) -> str:
+    rows = [("benchmark", "mini_dist", "native", "ratio", "target", "", "")]
+    rows += [(r.name, fmt_seconds(r.ours), fmt_seconds(r.native), f"{r.ratio:.2f}x",
+              f"<= {r.target:g}x" if r.target is not None else "-", "ok" if r.ok else "MISS", r.note)
+             for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(6)]
+    return "\n".join(" | ".join(c.ljust(w) for c, w in zip(row, widths)) + (f" | {row[6]}" if row[6] else "")
+                     for row in rows)

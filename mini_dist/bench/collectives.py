@@ -1,0 +1,173 @@
+"""Ring collectives (mini_dist.ring_allreduce) against gloo's own, and where the ring's time goes.
+
+    ./run.sh bench 4 collectives        (and ./run.sh bench 2 collectives)
+
+Three parts, all in one run:
+- the table: ring / native time for all-reduce, reduce-scatter and all-gather, D from 4 KiB to 16 MiB
+  (D = the whole tensor: the all-reduced one, the reduce-scatter's input, the all-gather's output). Targets:
+  <= 1.2x from 256 KiB up, where bytes dominate; <= 2x below, where each of the 2(N-1) steps is a
+  wake-up of a waiting process, and the ring's tens of microseconds of Python per step (post, wait,
+  slice) count. Beside each row, the bus bandwidth
+  of both (nccl-tests' convention: all-reduce 2(N-1)/N*D / t, the other two (N-1)/N*D / t);
+- the machine's limit: one core's memory-copy bandwidth, measured here, beside those bus bandwidths
+  (over TCP loopback every byte is copied at least twice: into the kernel and out of it);
+- a profile of one ring all-reduce per size, on the rank that took longest: time spent posting sends
+  and receives (milliseconds at 16 MiB: gloo writes a send into the socket from the calling thread
+  when it can, so posting includes that copy into the kernel), waiting for them (the neighbour's data
+  on the wire, or the neighbour itself, still busy or not yet scheduled), reducing (reduce_into:
+  reading two buffers, writing one) and the rest, Python between steps; beside gloo's whole
+  all-reduce, which does the same sends, receives and reductions in C++ on its own thread. Also the
+  price of MINI_DIST_DEBUG=1's agreement check.
+"""
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from mini_dist import bench, debug, launch
+from mini_dist import ring_allreduce as ra
+
+SIZES_KIB = [4, 64, 256, 1024, 4096, 16384]
+
+
+def target(nbytes: int) -> float:
+    return 1.2 if nbytes >= 256 << 10 else 2.0
+
+
+def repeats(nbytes: int) -> int:
+    return max(9, min(41, (32 << 20) // nbytes))
+
+
+def size_name(kib: int) -> str:
+    return f"{kib} KiB" if kib < 1024 else f"{kib >> 10} MiB"
+
+
+def cases(numel: int, n: int):
+    """(name, ring call, native call, bytes on the ring per D): fp32 buffers, zeros (the values do not
+    change the cost, and repeated sums stay finite)."""
+    z = lambda k: torch.zeros(k, device=launch.device())  # noqa: E731
+    x, y, full, shard, out = z(numel), z(numel), z(numel), z(numel // n), z(numel)
+    return [
+        ("all_reduce", lambda: ra.ring_all_reduce(x), lambda: dist.all_reduce(y), 2 * (n - 1) / n),
+        ("reduce_scatter", lambda: ra.ring_reduce_scatter(shard, full),
+         lambda: dist.reduce_scatter_single(shard, full), (n - 1) / n),
+        ("all_gather", lambda: ra.ring_all_gather(out, shard), lambda: dist.all_gather_single(out, shard),
+         (n - 1) / n),
+    ]
+
+
+def memcpy_bandwidth(nbytes: int = 16 << 20) -> float:
+    """Bytes per second one core copies (median of 21 copies of a buffer larger than the caches)."""
+    a = torch.ones(nbytes // 4, device=launch.device())
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(21):
+        start = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - start)
+    return nbytes / bench.median(times)
+
+
+@contextlib.contextmanager
+def profiled(spent: dict):
+    """Time every isend/irecv call, every wait on what they return, and every reduce_into of the ring."""
+    originals = dist.isend, dist.irecv, ra.reduce_into
+
+    class TimedWork:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            start = time.perf_counter()
+            try:
+                return self.work.wait()
+            finally:
+                spent["waiting"] += time.perf_counter() - start
+
+    def timed(fn, key, wrap=False):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            spent[key] += time.perf_counter() - start
+            return TimedWork(result) if wrap else result
+        return call
+    dist.isend, dist.irecv = timed(dist.isend, "posting", True), timed(dist.irecv, "posting", True)
+    ra.reduce_into = timed(ra.reduce_into, "reducing")
+    try:
+        yield spent
+    finally:
+        dist.isend, dist.irecv, ra.reduce_into = originals
+
+
+def profile_row(numel: int) -> list[float]:
+    """[total, posting, waiting, reducing, rest] of one ring all-reduce on the rank that took longest
+    (median over 9 calls), and gloo's all-reduce of the same tensor (median, slowest rank)."""
+    x = torch.zeros(numel, device=launch.device())
+    n, rows, gloo = dist.get_world_size(), [], []
+    for i in range(10):
+        spent = dict.fromkeys(["posting", "waiting", "reducing"], 0.0)
+        dist.barrier()
+        with profiled(spent):
+            start = time.perf_counter()
+            ra.ring_all_reduce(x)
+            total = time.perf_counter() - start
+        mine = torch.tensor([total, spent["posting"], spent["waiting"], spent["reducing"]], dtype=torch.float64)
+        everyone = torch.empty(n * 4, dtype=torch.float64)
+        dist.all_gather_single(everyone, mine)
+        gloo.append(bench.timed(lambda: dist.all_reduce(x)))
+        if i:  # the first call allocates; drop it
+            total, *parts = max(everyone.view(n, 4).tolist())
+            rows.append([total, *parts, total - sum(parts)])
+    rows.sort()
+    return rows[len(rows) // 2] + [bench.median(gloo)]
+
+
+def debug_cost(n: int) -> list[bench.Result]:
+    """MINI_DIST_DEBUG=1 against off: one all_gather_object of (op, shape, dtype, call site) per call."""
+    results = []
+    for kib in (4, 1024):
+        x = torch.zeros(kib * 256, device=launch.device())
+
+        def with_debug():
+            debug.DEBUG, saved = True, debug.DEBUG
+            try:
+                ra.ring_all_reduce(x)
+            finally:
+                debug.DEBUG = saved
+        results.append(bench.compare(f"ring all_reduce {size_name(kib)}, MINI_DIST_DEBUG=1 vs off", with_debug,
+                                     lambda: ra.ring_all_reduce(x), repeats(kib << 10), None,
+                                     note="the agreement check's price"))
+    return results
+
+
+def run_collectives(args) -> list[bench.Result]:
+    n = dist.get_world_size()
+    results, busbw = [], {}
+    for kib in SIZES_KIB:
+        nbytes = kib << 10
+        for name, ours, native, per_d in cases(nbytes // 4, n):
+            r = bench.compare(f"ring {name} {size_name(kib)}", ours, native, repeats(nbytes), target(nbytes))
+            gbps = lambda t: per_d * nbytes / t / 1e9  # noqa: E731
+            r.note = f"busbw ring {gbps(r.ours):.2f} / gloo {gbps(r.native):.2f} GB/s"
+            busbw[(name, kib)] = (gbps(r.ours), gbps(r.native))
+            results.append(r)
+    results += debug_cost(n)
+
+    copy = torch.tensor([memcpy_bandwidth() if dist.get_rank() == 0 else 0.0], dtype=torch.float64)
+    dist.broadcast(copy, 0)
+    launch.print0(f"memory-copy bandwidth, one core: {copy.item() / 1e9:.1f} GB/s; the best bus bandwidth above: "
+                  f"ring {max(v[0] for v in busbw.values()):.2f}, gloo {max(v[1] for v in busbw.values()):.2f} GB/s "
+                  f"(each byte crosses the kernel twice on TCP loopback, and {n} ranks share the cores)")
+    launch.print0(f"\nwhere one ring all-reduce's time goes on {n} ranks, 2(N-1) = {2 * n - 2} steps (slowest rank, "
+                  f"median of 9, ms; Python = the rest, this profiler's own few us per call included):")
+    launch.print0(f"{'D':>7} | {'ring':>7} | {'posting':>7} | {'waiting':>7} | {'reducing':>8} | {'Python':>7} | "
+                  f"{'gloo':>7}")
+    for kib in SIZES_KIB:
+        total, posting, waiting, reducing, rest, gloo = profile_row(kib << 8)
+        launch.print0(f"{size_name(kib):>7} | {total * 1e3:7.2f} | {posting * 1e3:7.2f} | {waiting * 1e3:7.2f} | "
+                      f"{reducing * 1e3:8.2f} | {rest * 1e3:7.2f} | {gloo * 1e3:7.2f}")
+    return results
+
+
+BENCHES = {"collectives": run_collectives}

@@ -1,0 +1,239 @@
+"""Expert parallelism: a mixture-of-experts layer whose tokens travel to their experts by all-to-all.
+
+The mixture-of-experts layer of moe.py holds E expert MLPs and a router (top-k, renormalised weights,
+capacity C = ceil(capacity_factor * n * k / E) per expert, Switch's aux loss E * sum_i f_i * P_i). Expert
+parallelism gives each of the W ranks of the expert group E/W experts and the router whole. Each rank is one
+GShard group (its own tokens, capacity and aux loss). Rows bound for other ranks' experts travel by an
+all-to-all with uneven splits; the counts are exchanged first, so every receiver knows what comes:
+
+    counts    all-to-all of E integers          dispatch  my kept rows to their experts' ranks
+    experts   E/W local MLPs on what arrived    combine   the reverse all-to-all, then y = sum_j w_j out_j
+
+The backward is the same two trips reversed. Bytes per rank, forward and again backward:
+(rows I send off-rank + rows other ranks send me) * h * bytes per element. Imbalance costs time as well as
+tokens: the rank whose experts drew the most rows computes longest, and the combine waits for it.
+
+Naive beside optimised: `moe.MoE` runs every expert in one process, looping over them (the reference);
+`ExpertParallelMoE` shards them and moves rows with `p2p_all_to_all`, an all-to-all from isend/irecv,
+beside dist.all_to_all_single (transport=comm.all_to_all_single).
+
+Demo (vs one process, bytes vs formula, load balance with and without the aux loss, drops at two factors):
+
+    torchrun --standalone --nproc_per_node=4 mini_dist/expert_parallel.py
+
+Mirrors: Megatron-LM's core/transformer/moe (MoEAlltoAllTokenDispatcher), DeepSpeed-MoE.
+"""
+import copy
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mini_dist import comm, launch  # noqa: E402
+from mini_dist.moe import MoE, bars, route, skewed_tokens  # noqa: E402
+
+
+def p2p_all_to_all(out, x, output_splits, input_splits, group=None):
+    """dist.all_to_all_single from isend/irecv: rows x[..input_splits[j]..] go to rank j, rows from rank j
+    land in out[..output_splits[j]..]. Round s pairs me with me+s (send) and me-s (receive), so no rank is
+    everyone's first peer; empty messages are skipped, which both sides know from the counts."""
+    W, me = dist.get_world_size(group), dist.get_rank(group)
+    sends, recvs = x.split(input_splits), out.split(output_splits)
+    recvs[me].copy_(sends[me])
+    peer = (lambda j: j) if group is None else (lambda j: dist.get_global_rank(group, j))
+    ops = []
+    for s in range(1, W):
+        to, frm = (me + s) % W, (me - s) % W
+        if input_splits[to]:
+            ops.append(dist.P2POp(dist.isend, sends[to], peer(to), group))
+        if output_splits[frm]:
+            ops.append(dist.P2POp(dist.irecv, recvs[frm], peer(frm), group))
+    for request in dist.batch_isend_irecv(ops) if ops else []:
+        request.wait()
+    return out
+
+
+class ExpertParallelMoE(MoE):
+    """MoE with E/W experts per rank of `group` (parameter names those of MoE: w1 is [E/W, h, ffn] here).
+    The router is replicated: allreduce_router_grads sums its gradient over the group after backward."""
+
+    def __init__(self, hidden, ffn_hidden, num_experts, k=2, capacity_factor=None, group=None,
+                 transport=p2p_all_to_all, device=None, dtype=None):
+        W = dist.get_world_size(group)
+        super().__init__(hidden, ffn_hidden, num_experts, k, capacity_factor, W, device, dtype)
+        comm.agree("ExpertParallelMoE", (hidden, ffn_hidden, num_experts, k, capacity_factor), group)
+        self.group, self.transport, self.W, self.local = group, transport, W, num_experts // W
+
+    def forward(self, x):
+        comm.agree("ExpertParallelMoE.forward", (x.shape[-1], x.dtype), self.group)
+        tokens, r = self.routing(x)
+        t, j = r.keep.nonzero(as_tuple=True)                                  # kept (token, choice) pairs
+        order = r.expert[t, j].argsort(stable=True)                           # by expert = by owner rank
+        t, j = t[order], j[order]
+        sent = torch.bincount(r.expert[t, j], minlength=self.num_experts).view(self.W, self.local)
+        got = self.transport(torch.empty_like(sent), sent, [1] * self.W, [1] * self.W, self.group)
+        self.sent, self.received = sent.sum(1).tolist(), got.sum(1).tolist()  # rows per peer rank
+        rows = comm.all_to_all_rows(tokens[t], self.sent, self.received, self.group, self.transport)
+        out = self.run_experts(rows, got)                                     # [sum(received), h]
+        back = comm.all_to_all_rows(out, self.received, self.sent, self.group, self.transport)
+        return torch.zeros_like(tokens).index_add(0, t, r.weight[t, j, None] * back).view_as(x)
+
+    def run_experts(self, rows, got):
+        """Rows arrive by source rank, then by local expert (got[q, i] of them): regroup them by expert
+        so each expert runs once, then put the outputs back in arrival order for the return trip."""
+        expert = torch.arange(self.local, device=rows.device).repeat(self.W).repeat_interleave(got.flatten())
+        order = expert.argsort(stable=True)
+        return self.experts(rows[order], got.sum(0).tolist())[order.argsort()]
+
+
+def allreduce_router_grads(moe, group=None) -> None:
+    """Every rank routed its own tokens through its copy of the router: sum the gradients over the group
+    (expert gradients already hold every rank's tokens: the rows came to them)."""
+    for p in moe.parameters():
+        if not hasattr(p, "ep_dim") and p.grad is not None:
+            p.grad.copy_(comm.all_reduce(p.grad, group))
+
+
+def _pairs(parallel, dense, group):
+    full, W = dict(dense.named_parameters()), dist.get_world_size(group)
+    for name, p in parallel.named_parameters():
+        want = (p.shape[0] * W, *p.shape[1:]) if hasattr(p, "ep_dim") else tuple(p.shape)
+        if name not in full or tuple(full[name].shape) != want:
+            raise ValueError(f"the dense layer's {name!r} must have shape {want} for a shard of shape "
+                             f"{tuple(p.shape)}: build both with the same sizes")
+        yield p, full[name]
+
+
+@torch.no_grad()
+def shard_from_dense(parallel, dense, group=None):
+    """Copy `dense`'s router and this rank's E/W experts (same names) into `parallel`; return it."""
+    for p, full in _pairs(parallel, dense, group):
+        p.copy_(comm.split(full, 0, group) if hasattr(p, "ep_dim") else full)
+    return parallel
+
+
+@torch.no_grad()
+def gather_to_dense(parallel, dense, group=None):
+    """The inverse: all-gather the experts, and their gradients, into `dense` (the router is copied)."""
+    for p, full in _pairs(parallel, dense, group):
+        whole = (lambda t: comm.all_gather(t, 0, group)) if hasattr(p, "ep_dim") else (lambda t: t)
+        full.copy_(whole(p))
+        full.grad = None if p.grad is None else whole(p.grad).clone()
+    return dense
+
+
+# ----- demo -----
+
+def parallel_like(dense, group=None, transport=p2p_all_to_all):
+    """An ExpertParallelMoE holding dense's router and this rank's E/W experts."""
+    moe = ExpertParallelMoE(dense.hidden, dense.ffn_hidden, dense.num_experts, dense.k, dense.capacity_factor,
+                            group, transport, launch.device(), torch.float64)
+    return shard_from_dense(moe, dense, group)
+
+
+def against_one_process(dense, transport, xs, dys, group=None):
+    """My tokens through the parallel layer, every rank's through `dense` (one call, one group, per rank),
+    loss = <y, dy> + aux. Returns the largest relative difference (outputs, aux, drops, input, router and
+    expert gradients), the all-to-all bytes this rank sent, and the ledger's formula for them."""
+    me, moe = dist.get_rank(group), parallel_like(dense, group, transport)
+    x = xs[me].clone().requires_grad_()
+    comm.COUNTER.reset()
+    y = moe(x)
+    ((y * dys[me]).sum() + moe.aux_loss).backward()
+    nbytes = comm.COUNTER.bytes["all_to_all"]
+    allreduce_router_grads(moe, group)
+    ref = copy.deepcopy(dense)
+    for q, (xq, dy) in enumerate(zip(xs, dys)):
+        xq = xq.clone().requires_grad_()
+        yq = ref(xq)
+        ((yq * dy).sum() + ref.aux_loss).backward()
+        if q == me:
+            pairs = [(y, yq), (x.grad, xq.grad), (moe.aux_loss, ref.aux_loss),
+                     (torch.tensor(moe.dropped + 0.0), torch.tensor(ref.dropped + 0.0))]
+    gathered = gather_to_dense(moe, copy.deepcopy(dense), group)
+    pairs += [(p.grad, q.grad) for p, q in zip(gathered.parameters(), ref.parameters())]
+    diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1)).item() if b.numel() else 0.0 for a, b in pairs)
+    off_rank = sum(moe.sent) - moe.sent[me] + sum(moe.received) - moe.received[me]
+    return diff, nbytes, 2 * off_rank * dense.hidden * 8  # forward, then the same rows back in backward
+
+
+def train(dense, alpha, args):
+    """Adam steps on skewed tokens, task loss + alpha * aux. Then, on fresh tokens, summed over ranks:
+    choices per expert, and [aux, choices dropped at capacity factors 1.0 and 1.25, expert rows] per rank."""
+    rank, h, k = dist.get_rank(), dense.hidden, dense.k
+    moe = parallel_like(dense)
+    teacher = skewed_tokens(h, h, args.seed + 1, 0) / h
+    opt = torch.optim.Adam(moe.parameters(), lr=1e-2)
+    for step in range(args.steps):
+        x = skewed_tokens(args.tokens, h, args.seed, rank, step + 1)
+        loss = ((moe(x) - torch.tanh(x @ teacher)) ** 2).mean() + alpha * moe.aux_loss
+        opt.zero_grad()
+        loss.backward()
+        allreduce_router_grads(moe)
+        opt.step()
+    x = skewed_tokens(args.tokens, h, args.seed, rank, args.steps + 1)
+    with torch.no_grad():
+        moe(x)
+        logits = moe.router(x)
+        r = route(logits, k)
+        mine = [r.aux.item(), *[(~route(logits, k, cf).keep).sum().item() for cf in (1.0, 1.25)], sum(moe.received)]
+    choices = comm.all_reduce(torch.bincount(r.expert.flatten(), minlength=dense.num_experts)).cpu()
+    return choices, comm.all_gather(torch.tensor([mine], dtype=torch.float64, device=launch.device()), 0).cpu()
+
+
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--experts", type=int, default=8, help="E, spread E/W per rank")
+    p.add_argument("--k", type=int, default=2, help="experts per token")
+    p.add_argument("--hidden", type=int, default=16, help="h (each expert is h -> 2h -> h)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens on rank 0; rank r has tokens + 3r")
+    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--steps", type=int, default=30, help="Adam steps on skewed tokens, without and with aux")
+    p.add_argument("--aux", type=float, default=0.1, help="weight of the auxiliary loss in the second run")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def demo(args) -> int:
+    W = launch.env_world_size()
+    launch.require(args.experts % W == 0, f"--experts {args.experts} is not divisible by {W} ranks: each rank "
+                                          "holds E/W whole experts")
+    launch.require(1 <= args.k <= args.experts, f"--k must be between 1 and --experts ({args.experts})")
+    launch.require(min(args.hidden, args.tokens, args.steps + 1) >= 1 and args.capacity_factor > 0,
+                   "--hidden and --tokens must be >= 1, --steps >= 0, --capacity-factor > 0")
+    env = launch.setup(seed=args.seed)
+    h, E, k, cf, f64, dev = args.hidden, args.experts, args.k, args.capacity_factor, torch.float64, env.device
+    counts = [args.tokens + 3 * q for q in range(W)]
+    dense = MoE(h, 2 * h, E, k, cf, device=dev, dtype=f64)
+    xs = [skewed_tokens(n, h, args.seed, q) for q, n in enumerate(counts)]
+    dys = [skewed_tokens(n, h, args.seed + 1, q) for q, n in enumerate(counts)]
+    (p2p, nbytes, want), (native, _, _) = [against_one_process(dense, t, xs, dys)
+                                           for t in (p2p_all_to_all, comm.all_to_all_single)]
+    ledger = comm.all_gather(torch.tensor([[nbytes, want]], device=dev), 0).tolist()
+    launch.print0(f"MoE: E={E} experts ({E // W} per rank), top-{k}, h={h}, ffn={2 * h}, capacity factor {cf:g}, "
+                  f"fp64, {W} ranks holding {', '.join(map(str, counts))} tokens")
+    launch.print0(f"  vs the same MoE in one process (outputs, aux, drops, input/router/expert grads): max relative "
+                  f"diff {p2p:.1e} over p2p_all_to_all, {native:.1e} over dist.all_to_all_single")
+    launch.print0(f"  all-to-all bytes sent per rank, fwd + bwd: {', '.join(f'{b:,}' for b, _ in ledger)}"
+                  f"  = 2(rows out + rows in)*h*8: {', '.join(f'{w:,}' for _, w in ledger)}")
+    launch.print0(f"after {args.steps} Adam steps on skewed tokens, then fresh ones:\n  {'':18}"
+                  f"{'choices per expert':<20}{'aux':>5}  {'busiest rank':>12}  dropped at cf 1.0 / 1.25")
+    aux = []
+    for name, alpha in (("no aux loss", 0.0), (f"+ {args.aux:g} x aux", args.aux)):
+        choices, ranks = train(dense, alpha, args)  # ranks: [W, 4]
+        (drop1, drop125), rows = ranks[:, 1:3].sum(0) / choices.sum(), ranks[:, 3]
+        aux.append(ranks[:, 0].mean().item())
+        launch.print0(f"  {name:<18}{bars(choices.tolist()):<20}{aux[-1]:>5.2f}  {rows.max() / rows.sum():>11.0%}   "
+                      f"{drop1:>6.0%} / {drop125:.0%}")
+    launch.print0(f"  (balanced: aux 1.00, busiest rank {1 / W:.0%} of the rows, nothing dropped at cf 1.0)")
+    check_ok = max(p2p, native) <= 1e-12
+    figure_ok = all(b == w for b, w in ledger) and aux[1] < aux[0]
+    return launch.conclude("expert_parallel", check_ok, f"MoE = one process ({max(p2p, native):.0e})", figure_ok,
+                           f"bytes = formula; aux {aux[0]:.2f} -> {aux[1]:.2f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(launch.main(parser(), demo))

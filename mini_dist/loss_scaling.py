@@ -1,0 +1,243 @@
+"""Dynamic loss scaling, agreed across ranks: fp16 gradients that neither underflow nor poison a step.
+
+fp16 has 5 exponent bits: below its smallest subnormal (6e-8) a gradient becomes 0 (silent: training
+stalls), past 65504 it becomes inf, and inf - inf = NaN (loud: one step is poisoned). Loss scaling
+(Micikevicius et al., "Mixed Precision Training", 2018) backpropagates S*loss: the chain rule is linear, so
+every gradient is S times larger and lifts out of the underflow zone; it is divided by S in fp32 before the
+step. Too large an S overflows, so the scale is dynamic, and an overflow costs one skipped step:
+
+    inf/NaN found:               skip the step,  S <- S * backoff_factor
+    growth_interval clean steps:                 S <- S * growth_factor
+
+With growth_factor * backoff_factor = 1 and steady gradients the scale settles at the overflow edge: it
+grows after I clean steps, overflows, backs off, so the skip rate is 1 / (I + 1), and starting from S0 the
+first overflow comes at step I * log2(S_edge / S0). bf16 keeps fp32's 8 exponent bits: it needs no scaling.
+
+Why every rank must agree on the overflow before anyone steps. With plain DDP gradients are all-reduced
+first and inf + x = inf, so every replica sees it. But when each rank checks only its own slice (ZeRO-2/3
+and FSDP after a reduce-scatter, tensor- and pipeline-parallel shards), an inf in rank 1's slice is
+invisible to rank 0:
+
+    rank 0: found_inf = 0 -> steps its shard, keeps S       rank 1: found_inf = 1 -> skips, S <- S/2
+
+The model is now half updated, and next iteration rank 0 backpropagates with S and rank 1 with S/2, so
+every gradient sum they share is wrong from then on. Naive: each rank decides alone (a group of one rank).
+Agreed: one all-reduce(MAX) of every rank's flag before the step makes the decision global (as FSDP's
+ShardedGradScaler does). The unscale itself is two foreach passes (an L2 norm per tensor, then
+g * 1/S) where GradScaler's kernel fuses both: ./run.sh bench 4 mixed_precision times them.
+
+    torchrun --standalone --nproc_per_node=4 mini_dist/loss_scaling.py [--steps 48 --growth-interval 4]
+
+Mirrors torch.amp.GradScaler bit for bit (scale, skip decision, parameters), and for the cross-rank flag
+torch.distributed.fsdp.ShardedGradScaler. fp32 master weights, which fp16 training needs beside it:
+mini_dist/mixed_precision.py.
+"""
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mini_dist import launch  # noqa: E402
+
+
+def to_float32(x: float) -> float:
+    """Round a Python float (a double) to the nearest float32: GradScaler keeps its scale in float32."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+class DynamicLossScaler:
+    """scale(loss).backward(); [unscale_(opt); clip]; step(opt); update() -- once per iteration."""
+
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                 group=None):
+        for ok, fix in [(0 < init_scale < math.inf, f"init_scale must be positive and finite, got {init_scale}"),
+                        (growth_factor > 1, f"growth_factor must be > 1 (it raises the scale), got "
+                                            f"{growth_factor}"),
+                        (0 < backoff_factor < 1, f"backoff_factor must be in (0, 1) (it lowers the scale), got "
+                                                 f"{backoff_factor}"),
+                        (isinstance(growth_interval, int) and growth_interval >= 1, f"growth_interval must be an "
+                         f"int >= 1 (clean steps before growing), got {growth_interval!r}")]:
+            if not ok:
+                raise ValueError(fix)
+        self._scale = to_float32(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.group = growth_interval, group
+        self._growth_tracker = 0  # clean steps since the last growth or overflow
+        self._found_inf = {}      # id(optimizer) -> this iteration's agreed inf/NaN flag (0-dim tensor)
+        self._stepped = set()     # id(optimizer) of those stepped (or skipped) this iteration
+
+    def get_scale(self) -> float:
+        return self._scale
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        # A 0-dim float32 tensor, not a Python float: a 0-dim fp16 loss times it is promoted to fp32, as in
+        # GradScaler, so the scaled loss reads finite (fp16 * 65536 would read inf; the gradient is S anyway).
+        return loss * torch.full((), self._scale, dtype=torch.float32, device=loss.device)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients by the scale and agree with every rank of the group on inf/NaN."""
+        if id(optimizer) in self._found_inf:
+            raise RuntimeError("unscale_() was already called on this optimizer since the last update()")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
+        device = grads[0].device if grads else params[0].device
+        K, me = (dist.get_world_size(self.group), dist.get_rank(self.group)) if dist.is_initialized() else (1, 0)
+        fp16 = any(g.dtype == torch.float16 for g in grads)
+        # One number per rank, reduced with MAX: 1 if inf/NaN, 2 if fp16 gradients (an error, named below).
+        # inf/NaN is checked before dividing, as GradScaler flags the scaled values: one L2 norm per
+        # tensor in one foreach call, which inf and NaN survive. Squares of huge finite values overflow
+        # it too, so a non-finite norm is looked at again, exactly (overflow steps are the rare ones).
+        status = torch.full((1,), 2.0 * fp16, device=device)
+        if grads:
+            finite = torch.stack(torch._foreach_norm(grads, 2)).isfinite()
+            if not finite.all():
+                finite = torch.stack([g.isfinite().all() for g in grads])
+            status += finite.all().logical_not()
+        if K > 1:  # every rank learns the same before acting: a bad input makes all of them raise
+            dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.group)
+        if status >= 2:  # every rank is here: one more all-reduce, of a slot per rank, names them
+            slots = torch.zeros(K, device=device)
+            slots[me] = float(fp16)
+            if K > 1:
+                dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=self.group)
+            half = slots.nonzero().flatten().tolist()
+            if dist.is_initialized():
+                half = [dist.get_global_rank(self.group or dist.group.WORLD, r) for r in half]
+            raise ValueError(f"unscale_: fp16 gradients on rank{'s' * (len(half) > 1)} "
+                             f"{', '.join(map(str, half))}; S*g/S in fp16 underflows again. Keep fp32 master "
+                             f"weights (MasterWeights) and step those.")
+        # The reciprocal in fp64 rounded to fp32, as GradScaler does (fast-math fp32 division can be off).
+        inv_scale = torch.tensor(1.0 / self._scale, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            torch._foreach_mul_(grads, inv_scale)
+        self._found_inf[id(optimizer)] = status[0]  # 0 or 1
+
+    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
+        """optimizer.step(), unless some rank found inf/NaN: then every rank skips it."""
+        if id(optimizer) in self._stepped:
+            raise RuntimeError("step() was already called on this optimizer since the last update()")
+        if id(optimizer) not in self._found_inf:
+            self.unscale_(optimizer)
+        self._stepped.add(id(optimizer))
+        if self._found_inf[id(optimizer)].item() == 0:  # the one host sync: Python decides the branch
+            return optimizer.step(*args, **kwargs)
+        return None
+
+    def update(self) -> None:
+        """Back off after an overflow (any optimizer's), grow after growth_interval clean iterations."""
+        if not self._found_inf:
+            raise RuntimeError("update() needs unscale_() or step() first in this iteration")
+        overflow = any(flag.item() for flag in self._found_inf.values())
+        # Products in fp64 rounded to fp32, exactly as torch._amp_update_scale_ computes them.
+        if overflow:
+            self._scale = to_float32(self._scale * self.backoff_factor)
+            self._growth_tracker = 0
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                grown = to_float32(self._scale * self.growth_factor)
+                if math.isfinite(grown):  # never grow past fp32's max into inf
+                    self._scale = grown
+                self._growth_tracker = 0
+        self._found_inf.clear()
+        self._stepped.clear()
+
+    def state_dict(self) -> dict:  # GradScaler's keys, so either can load the other's checkpoint
+        return {"scale": self._scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._scale = to_float32(state["scale"])
+        self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
+        self.growth_interval, self._growth_tracker = state["growth_interval"], state["_growth_tracker"]
+
+
+LOUD = 3.0  # |output gradient| / S on the last rank: it overflows fp16 first, once S * LOUD > 65504
+
+
+def shard_data(rank: int, world: int, steps: int, device):
+    """Rank r's inputs for every step; the last rank's output gradients are the loudest."""
+    g = torch.Generator().manual_seed(1009 + rank)
+    c = (LOUD if rank == world - 1 else 0.5) * torch.randn(2, 4, generator=g).sign()
+    xs = [(torch.rand(2, 8, generator=g) - 0.5) / 2 for _ in range(steps)]  # |x| < 1/4: dW < S*c
+    return c.to(device), [x.to(device) for x in xs]
+
+
+def run_shards(scaler, data, steps):
+    """Train one zero-initialised shard per entry of `data` (fp16-autocast linear layers, output gradient
+    S*c) with one optimizer; returns (scale used, skipped) per step, and the shards."""
+    params = [torch.zeros(4, 8, device=c.device, requires_grad=True) for c, _ in data]
+    opt = torch.optim.SGD(params, lr=1e-3)
+    trace = []
+    for t in range(steps):
+        with torch.autocast(params[0].device.type, dtype=torch.float16):
+            outs = [F.linear(xs[t], W) for W, (_, xs) in zip(params, data)]
+        loss = sum((out.float() * c).sum() for out, (c, _) in zip(outs, data))
+        used = scaler.get_scale()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        trace.append((used, scaler.get_scale() < used))
+    return trace, params
+
+
+def plot(trace) -> str:
+    """log2(scale) per step: '*' a step taken, 'x' a step skipped."""
+    levels, marks = [round(math.log2(s)) for s, _ in trace], ["x" if skip else "*" for _, skip in trace]
+    return "\n".join(f"  2^{y:<3}|{''.join(m if lv == y else ' ' for lv, m in zip(levels, marks))}".rstrip()
+                     for y in range(max(levels), min(levels) - 1, -1))
+
+
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--steps", type=int, default=48, help="iterations of the sharded scale trajectory")
+    p.add_argument("--growth-interval", type=int, default=4, help="clean steps before the scale grows (I)")
+    p.add_argument("--init-exponent", type=int, default=10, help="initial scale S0 = 2^this")
+    return p
+
+
+def demo(args) -> int:
+    edge = math.floor(math.log2(torch.finfo(torch.float16).max / LOUD)) + 1  # the first S with S*LOUD > 65504
+    launch.require(args.steps >= 1 and args.growth_interval >= 1 and 0 <= args.init_exponent < edge,
+                   f"--steps and --growth-interval must be >= 1 and --init-exponent in [0, {edge}): from "
+                   f"2^{edge} up the loudest gradient overflows fp16 at once")
+    env = launch.setup()
+    rank, world, dev, say = env.rank, env.world_size, env.device, launch.print0
+
+    # Each rank owns a shard of the model (as under ZeRO/FSDP): only the last rank's shard overflows.
+    steps, interval, init = args.steps, args.growth_interval, 2.0 ** args.init_exponent
+    data = shard_data(rank, world, steps, dev)
+    trace, (mine,) = run_shards(DynamicLossScaler(init, growth_interval=interval), [data], steps)
+    # Reference: one torch.amp.GradScaler over all shards in one process (what a single GPU would do).
+    ref, shards = run_shards(torch.amp.GradScaler(dev.type, init, growth_interval=interval),
+                             [shard_data(r, world, steps, dev) for r in range(world)], steps)
+    # Naive: no agreement (each rank is its own group), so ranks skip on different steps.
+    alone = [launch.new_group([r]) for r in range(world)][rank]
+    lonely, _ = run_shards(DynamicLossScaler(init, growth_interval=interval, group=alone), [data], steps)
+    skips = [[t for t, (_, s) in enumerate(tr) if s] for tr in (trace, lonely)]
+    everyone = [None] * world  # per rank: ([agreed skips, naive skips], bit-identical to GradScaler?)
+    dist.all_gather_object(everyone, (skips, trace == ref and torch.equal(mine, shards[rank])))
+    check_ok = all(s[0] == skips[0] and same for s, same in everyone)
+    say(f"scale trajectory, {world} ranks, overflow only on rank {world - 1} ('x' = skipped by every rank):")
+    say(plot(trace))
+    say(f"= one GradScaler over all {world} shards (scales, skipped steps, parameters bit-identical): "
+        f"{check_ok}\nwithout agreeing across ranks, steps skipped per rank: "
+        f"{' | '.join(str(s[1]) for s, _ in everyone)}")
+    # Lifecycle: S doubles every I clean steps until S * LOUD > 65504, then one skip every I+1 steps.
+    first = interval * (edge - args.init_exponent)
+    predicted = 0 if steps <= first else 1 + (steps - 1 - first) // (interval + 1)
+    figure_ok = len(skips[0]) == predicted and skips[0][:1] == [first][:predicted]
+    say(f"skipped {len(skips[0])} of {steps}; lifecycle predicts: first overflow at S=2^{edge}, step "
+        f"I*log2(2^{edge}/S0) = {first}, then 1 per I+1 = {interval + 1} steps: {predicted}")
+    return launch.conclude("loss_scaling", check_ok, f"= GradScaler bit-exact, {steps} steps, skips agreed",
+                           figure_ok, f"skips {len(skips[0])} = lifecycle {predicted}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(launch.main(parser(), demo))

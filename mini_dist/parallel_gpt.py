@@ -1,0 +1,321 @@
+"""A tiny GPT written once, dense or cut along three axes at once: tensor, context and expert parallelism.
+
+The model: token + position embedding, L pre-norm blocks x + attn(ln1(x)) + ffn(ln2(x)), final layer norm
+and LM head, on a character corpus shipped here. The dense model is built from PyTorch's own layers (an
+nn.MultiheadAttention, an MLP, or a mixture of experts in one process); the parallel one from mini_dist's,
+with the same parameter names, so that it starts as an exact shard of the dense one. Each axis cuts one
+thing, over its group of the mesh (mini_dist/mesh.py):
+
+    TP  (tensor_parallel, vocab_parallel)   every weight matrix: heads, MLP columns/rows, vocabulary rows
+    CP  (context_parallel)                  the sequence: S/C tokens per rank (zigzag), ring attention
+    EP  (expert_parallel)                   the experts of the mixture: E/ep per rank, tokens by all-to-all
+
+A rank's tokens are its data-parallel slice of the batch (b sequences) and its context-parallel part of
+each (s/C of s tokens). What one rank moves for one forward + backward, e bytes an element, n_T = 2
+all-reduces per block if the feed-forward is a mixture of experts (not cut by TP here: every TP rank routes
+the same tokens), 4 if it is the MLP:
+
+    TP  payload  [n_T*L + embedding + head] * b*(s/C)*h*e  +  3*b*(s/C)*e        (loss: a max, two sums)
+    CP  sent     6*(C-1) * b*(s/C)*(h/T)*e per block     (K and V blocks C-1 hops forward; again with dK,
+                                                          dV backward)
+    EP  sent     2 * sum over MoE blocks of (rows sent to other ranks + rows they sent me) * h*e
+
+--checkpoint wraps each block in mini_dist.activation_checkpoint.checkpoint_module: it keeps the block's
+input only and reruns the block's forward in backward, collectives included: n_T -> 1.5*n_T all-reduces,
+6 -> 8 CP hops, 2 -> 3 all-to-all trips per block (Korthikanti et al. 2022 count the same 6 for TP).
+
+Experts are routed with no capacity limit and trained without the auxiliary load-balancing loss: both
+depend on which tokens are routed together (each rank's microbatch is a GShard group: expert_parallel.py),
+so a run would no longer equal one process on the whole batch. With neither, each token's routing is its
+own and the layer equals the one-process MoE whatever the grouping. (Megatron-LM adds the aux loss of every
+layer through an autograd function, MoEAuxLossAutoScaler, that injects its gradient in backward.)
+
+Demo (one forward + backward on cp x tp ranks against the dense model; bytes per axis beside formulas):
+
+    torchrun --standalone --nproc_per_node=4 mini_dist/parallel_gpt.py --cp 2 --tp 2 --moe 4 --ep 2
+
+Mirrors the model side of torchtitan (parallelize_llama: TP plan, context_parallel, expert parallel MoE).
+"""
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mini_dist import expert_parallel, launch, tensor_parallel  # noqa: E402
+from mini_dist.activation_checkpoint import checkpoint_module  # noqa: E402
+from mini_dist.comm import COUNTER, all_reduce  # noqa: E402
+from mini_dist.context_parallel import ring_attention  # noqa: E402
+from mini_dist.cost_model import Model, Plan, gpt_step_traffic  # noqa: E402
+from mini_dist.expert_parallel import MoE, ExpertParallelMoE  # noqa: E402
+from mini_dist.mesh import Mesh, grid_for  # noqa: E402
+from mini_dist.parallel_transformer import ParallelAttention, ParallelTransformerBlock, TransformerBlock  # noqa: E402
+from mini_dist.sequence_layout import split_sequence  # noqa: E402
+from mini_dist.tensor_parallel import ColumnParallelLinear, check_input, column_parallel_linear  # noqa: E402
+from mini_dist.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy  # noqa: E402
+
+CORPUS = (
+    "a pipeline cuts the layers into stages and the batch into microbatches. tensor parallelism cuts every "
+    "weight matrix, so the ranks of one layer talk twice forward and twice backward. data parallelism copies "
+    "the model and averages the gradients once per step. put the chatty axis inside the node, the pipeline "
+    "across nodes, and data parallelism everywhere; then check that the loss is the loss of one process. "
+)
+CHARS = sorted(set(CORPUS))
+
+
+def padded_vocab(tp: int) -> int:
+    """The vocabulary rounded up to a multiple of tp: each rank owns V/tp rows (the extra rows are never a
+    target; Megatron pads to a multiple of 128*tp for fast matmuls)."""
+    return -(-len(CHARS) // tp) * tp
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab: int = len(CHARS)
+    layers: int = 4
+    hidden: int = 32
+    heads: int = 4
+    seq: int = 16
+    batch: int = 8           # the global batch, in sequences: every configuration trains on the same one
+    experts: int = 0         # 0: each block's feed-forward is an MLP; E: a mixture of E experts h -> 4h -> h
+    top_k: int = 2           # experts per token
+    checkpoint: bool = False  # recompute each block in backward (the parallel model; the math is the same)
+    lr: float = 1e-2
+    seed: int = 0
+    dtype: torch.dtype = torch.float64
+
+    def model(self) -> Model:
+        """The cost model's view of this GPT (mini_dist/cost_model.py predicts its bytes and memory)."""
+        return Model(0, self.layers, self.hidden, self.heads, self.seq, self.vocab, self.experts, self.top_k)
+
+
+def get_batch(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of `step`: windows of the corpus at deterministic offsets, targets shifted by one."""
+    data = torch.tensor([CHARS.index(c) for c in CORPUS])
+    starts = [(7 * (step * cfg.batch + i)) % (len(data) - cfg.seq - 1) for i in range(cfg.batch)]
+    windows = torch.stack([data[a:a + cfg.seq + 1] for a in starts])
+    return windows[:, :-1], windows[:, 1:]
+
+
+def local_batch(cfg: Config, mesh: Mesh, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's tokens of the global batch: its replica's b = B/dp sequences, its s/C part of each."""
+    b = cfg.batch // mesh.grid.dp
+    ids, targets = (t[mesh.dp_rank * b:(mesh.dp_rank + 1) * b].to(launch.device()) for t in get_batch(cfg, step))
+    if mesh.grid.cp == 1:
+        return ids, targets
+    return tuple(split_sequence(t, mesh.cp_group, dim=1) for t in (ids, targets))
+
+
+class Embedding(nn.Module):
+    """Token embedding (dense, or V/tp rows per rank) + a learned position embedding (replicated); under
+    context parallelism the positions are those of this rank's s/C tokens."""
+
+    def __init__(self, tokens: nn.Module, positions: nn.Embedding, cp_group=None):
+        super().__init__()
+        self.tokens, self.positions, self.cp_group = tokens, positions, cp_group
+
+    def forward(self, ids):
+        C = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
+        where = torch.arange(ids.shape[1] * C, device=ids.device)
+        if C > 1:
+            where = split_sequence(where[None], self.cp_group, dim=1)[0]
+        return self.tokens(ids) + self.positions(where)
+
+
+class Head(nn.Module):
+    """Final layer norm + LM head (dense, or V/tp output columns per rank: logits stay split)."""
+
+    def __init__(self, ln_f: nn.LayerNorm, lm_head: nn.Module):
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x):
+        return self.lm_head(self.ln_f(x))
+
+
+class ContextParallelAttention(ParallelAttention):
+    """ParallelAttention with the sequence cut too: this rank's s/C tokens (zigzag) of its H/T heads attend
+    to the whole sequence by ring attention over cp_group."""
+
+    def __init__(self, hidden, num_heads, cp_group, group=None, device=None, dtype=None):
+        super().__init__(hidden, num_heads, causal=True, group=group, device=device, dtype=dtype)
+        self.cp_group = cp_group
+
+    def forward(self, x):
+        check_input(self, x, self.hidden)
+        qkv = column_parallel_linear(x, self.in_proj_weight, self.in_proj_bias, self.group)  # [b, s/C, 3h/T]
+        q, k, v = (t.unflatten(-1, (self.local_heads, self.head_dim)).transpose(1, 2) for t in qkv.chunk(3, -1))
+        out = ring_attention(q, k, v, causal=True, group=self.cp_group)  # [b, H/T, s/C, d]: keys go round
+        return self.out_proj(out.transpose(1, 2).flatten(2))
+
+
+def tiny_gpt(cfg: Config, mesh: Mesh | None = None, device=None) -> nn.Sequential:
+    """The model, written once. mesh=None: dense, PyTorch's layers; else mini_dist's over the mesh's tp, cp
+    and ep groups, with the same parameter names. A flat nn.Sequential, so that a pipeline can cut it."""
+    h, V, kw = cfg.hidden, cfg.vocab, dict(dtype=cfg.dtype, device=device)
+    positions = nn.Embedding(cfg.seq, h, **kw)
+    if mesh is None:
+        embedding = Embedding(nn.Embedding(V, h, **kw), positions)
+        blocks = [TransformerBlock(h, cfg.heads, causal=True, **kw) for _ in range(cfg.layers)]
+        head = Head(nn.LayerNorm(h, **kw), nn.Linear(h, V, bias=False, **kw))
+    else:
+        tp, cp = mesh.tp_group, mesh.cp_group if mesh.grid.cp > 1 else None
+        embedding = Embedding(VocabParallelEmbedding(V, h, group=tp, **kw), positions, cp)
+        blocks = [ParallelTransformerBlock(h, cfg.heads, causal=True, group=tp, **kw) for _ in range(cfg.layers)]
+        head = Head(nn.LayerNorm(h, **kw), ColumnParallelLinear(h, V, bias=False, group=tp, **kw))
+    for block in blocks:
+        if cfg.experts:
+            block.mlp = MoE(h, 4 * h, cfg.experts, cfg.top_k, **kw) if mesh is None else \
+                ExpertParallelMoE(h, 4 * h, cfg.experts, cfg.top_k, group=mesh.ep_group, **kw)
+        if mesh is not None and cp is not None:
+            block.attn = ContextParallelAttention(h, cfg.heads, cp, group=tp, **kw)
+        if mesh is not None and cfg.checkpoint:
+            checkpoint_module(block)
+    return nn.Sequential(embedding, *blocks, head)
+
+
+def parts(model: nn.Sequential, dense: nn.Sequential):
+    """(part, its dense twin, the module that moves weights between them, its group): every parameter once."""
+    for layer, whole in zip(model, dense):
+        twins = dict(whole.named_children())
+        for name, part in layer.named_children():
+            yield part, twins[name], expert_parallel if isinstance(part, ExpertParallelMoE) else tensor_parallel
+
+
+def shard_from_dense(model: nn.Sequential, dense: nn.Sequential, mesh: Mesh) -> nn.Sequential:
+    """Copy this rank's shard of every dense weight: TP slices, this rank's experts, the rest whole."""
+    for part, twin, axis in parts(model, dense):
+        axis.shard_from_dense(part, twin, mesh.ep_group if axis is expert_parallel else mesh.tp_group)
+    return model
+
+
+def gather_to_dense(model: nn.Sequential, dense: nn.Sequential, mesh: Mesh) -> nn.Sequential:
+    """The inverse, gradients included (each rank's gradients as they are: average them over dp_cp first)."""
+    for part, twin, axis in parts(model, dense):
+        axis.gather_to_dense(part, twin, mesh.ep_group if axis is expert_parallel else mesh.tp_group)
+    return dense
+
+
+def dense_model(cfg: Config) -> nn.Sequential:
+    torch.manual_seed(cfg.seed)  # every rank, and the single process, build the same initial model
+    return tiny_gpt(cfg)
+
+
+def parallel_model(cfg: Config, mesh: Mesh) -> nn.Sequential:
+    """This rank's shard of dense_model(cfg)."""
+    return shard_from_dense(tiny_gpt(cfg, mesh, launch.device()), dense_model(cfg), mesh)
+
+
+def loss_fn(tp_group):
+    """The mean cross-entropy over a rank's tokens, from its V/tp logits."""
+    return lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp_group).mean()
+
+
+def train_dense(cfg: Config, steps: int) -> list[float]:
+    """The reference: one process, the dense model, the whole global batch, torch.optim.Adam."""
+    model = dense_model(cfg)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    losses = []
+    for step in range(steps):
+        ids, targets = get_batch(cfg, step)
+        loss = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def is_expert(p) -> bool:
+    return hasattr(p, "ep_dim")
+
+
+def average_gradients(model, mesh: Mesh) -> None:
+    """The plain data-parallel reduction (the training script overlaps it: mini_dist/train_5d.py): every
+    gradient averaged over the dp x cp ranks, which saw other tokens. An expert's gradient already sums the
+    tokens of its EP group (they came to it): its replicas (edp) sum theirs, divided by dp x cp too."""
+    n = mesh.grid.dp * mesh.grid.cp
+    for p in model.parameters():
+        p.grad = all_reduce(p.grad, mesh.edp_group if is_expert(p) else mesh.dp_cp_group) / n
+
+
+# ----- demo: one forward + backward against the dense model -----
+
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--cp", type=int, default=None, help="context-parallel ranks (default: the world / tp)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default 2 where the world allows)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, a divisor of cp")
+    p.add_argument("--moe", type=int, default=0, help="E experts per block, top-2 (0: an MLP)")
+    p.add_argument("--checkpoint", action="store_true", help="recompute each block in backward")
+    for name in ("layers", "hidden", "heads", "seq"):
+        p.add_argument(f"--{name}", type=int, default=getattr(Config, name), help=f"the model's {name}")
+    return p
+
+
+def configuration_error(cfg: Config, grid) -> str | None:
+    """Why this model cannot be cut over this grid, in one sentence saying what to change, or None."""
+    if min(cfg.layers, cfg.hidden, cfg.heads, cfg.seq) < 1 or cfg.experts < 0:
+        return "--layers, --hidden, --heads and --seq must be at least 1, --moe at least 0"
+    if cfg.hidden % cfg.heads or cfg.heads % grid.tp:
+        heads = -(-cfg.heads // grid.tp) * grid.tp
+        return (f"--heads {cfg.heads} must divide --hidden {cfg.hidden} and be a multiple of --tp {grid.tp} (each "
+                f"tensor-parallel rank owns whole heads): try --heads {heads} --hidden {-(-cfg.hidden // heads) * heads}")
+    if cfg.seq % (2 * grid.cp):
+        return (f"--seq {cfg.seq} must be a multiple of 2 x cp = {2 * grid.cp}: the zigzag layout cuts each sequence "
+                f"into 2C equal chunks, two per context-parallel rank")
+    if cfg.experts % grid.ep or (grid.ep > 1 and not cfg.experts):
+        return (f"--ep {grid.ep} must divide the {cfg.experts} experts (--moe E): each expert-parallel rank holds "
+                f"E/ep whole experts")
+    if cfg.experts and not 1 <= cfg.top_k <= cfg.experts:
+        return f"top-{cfg.top_k} routing needs at least {cfg.top_k} experts: use --moe {cfg.top_k} or more"
+    return None
+
+
+def demo(args) -> int:
+    world = launch.env_world_size()
+    grid = grid_for(world, dp=1, pp=1, cp=args.cp, tp=args.tp, ep=args.ep)
+    cfg = Config(vocab=padded_vocab(grid.tp), layers=args.layers, hidden=args.hidden, heads=args.heads,
+                 seq=args.seq, batch=2, experts=args.moe, checkpoint=args.checkpoint)
+    problem = configuration_error(cfg, grid)
+    launch.require(problem is None, problem)
+    launch.setup()
+    mesh = Mesh(cp=grid.cp, tp=grid.tp, ep=grid.ep)
+    model, dense = parallel_model(cfg, mesh), dense_model(cfg)
+    ids, targets = local_batch(cfg, mesh, 0)
+    COUNTER.reset()
+    loss = loss_fn(mesh.tp_group)(model(ids), targets)
+    loss.backward()
+    sent = {"tp": COUNTER.bytes["all_reduce"], "cp": COUNTER.bytes["ring"], "ep": COUNTER.bytes["all_to_all"]}
+    rows = [sum(m.sent) - m.sent[mesh.coords["ep_index"]] + sum(m.received) - m.received[mesh.coords["ep_index"]]
+            for m in model.modules() if isinstance(m, ExpertParallelMoE)]  # off-rank rows, each MoE block
+    whole = F.cross_entropy(dense(get_batch(cfg, 0)[0]).flatten(0, 1), get_batch(cfg, 0)[1].flatten())
+    whole.backward()
+    mean_loss = all_reduce(loss.detach(), mesh.dp_cp_group) / grid.cp
+    average_gradients(model, mesh)
+    gathered = gather_to_dense(model, dense_model(cfg), mesh)
+    diffs = [(mean_loss - whole).abs()] + [(p.grad - q.grad).abs().max() for p, q in
+                                           zip(gathered.parameters(), dense.parameters())]
+    worst = max(d.item() for d in diffs)
+    want = gpt_step_traffic(cfg.model(), Plan(dp=1, cp=grid.cp, tp=grid.tp, ep=grid.ep, checkpoint=cfg.checkpoint,
+                                              micro_batch=cfg.batch, precision="fp64"),
+                            blocks=cfg.layers, embedding=True, head=True, rows_off=sum(rows))
+    launch.print0(f"tiny GPT: {cfg.layers} blocks, h={cfg.hidden}, {cfg.heads} heads, s={cfg.seq}, batch 2, "
+                  f"{f'MoE {cfg.experts} experts top-{cfg.top_k}' if cfg.experts else 'MLP'}"
+                  f"{', checkpointed blocks' if cfg.checkpoint else ''}; cp {grid.cp} x tp {grid.tp}, ep {grid.ep}, "
+                  f"fp64\n|loss - dense| and max |grad - dense| over every weight: {worst:.1e}\n"
+                  f"bytes rank 0 moved, forward + backward, beside the formulas of the docstring:")
+    for axis in sent:
+        launch.print0(f"  {axis.upper()}  {sent[axis]:>9,}  = {want[axis]:>9,}")
+    exact = all(sent[a] == want[a] for a in sent)
+    return launch.conclude("parallel_gpt", worst < 1e-12, f"= dense GPT ({worst:.0e})", exact,
+                           "bytes per axis = formulas")
+
+
+if __name__ == "__main__":
+    raise SystemExit(launch.main(parser(), demo))

@@ -1,0 +1,105 @@
+"""DeepSpeed-Ulysses: context parallelism by all-to-all, from a split sequence to split heads and back.
+
+Ring attention (context_parallel.py) leaves each rank's S/C queries where they are and sends the keys and
+values round the ring. Ulysses (Jacobs et al. 2023) uses instead that attention heads are independent, and
+moves the tokens:
+
+    all-to-all   q, k, v [b, H, S/C, d] -> [b, H/C, S, d]   every rank: all S tokens of H/C whole heads
+    attention    F.scaled_dot_product_attention, unchanged  (causal: the chunks put in position order first)
+    all-to-all   out [b, H/C, S, d] -> [b, H, S/C, d]       back to this rank's tokens, all heads
+Backward: the same all-to-alls reversed (dout in; dq, dk, dv back): comm.all_to_all's conjugate.
+
+Bytes sent per rank per layer, |K| = b*S*H*d*e bytes (all of K; e bytes an element): a rank holds |K|/C of
+each tensor and an all-to-all keeps 1/C of that, so moving one tensor costs (C-1)/C |K|/C:
+    Ulysses   forward 4(C-1)/C |K|/C    q, k, v in, out back       backward the same: dout in; dq, dk, dv back
+    ring      forward 2(C-1)/C |K|      K and V round the ring     backward 4(C-1)/C |K|
+When each wins: Ulysses sends C/2 times less than the ring forward and C times less backward, and its bytes
+per rank shrink as C grows. But C can never exceed the head count (each rank needs H/C whole heads; with
+grouped-query attention, the K/V heads), and every all-to-all crosses every link at once, where the ring talks
+only to its neighbours and hides each hop behind a tile of compute: the ring scales past H and over slow links.
+Scores held per rank: S^2 for each of H/C heads (one process: H heads; ring: (S/C)^2 per head).
+
+    torchrun --standalone --nproc_per_node=4 mini_dist/ulysses.py [--seq 48 --heads 12]
+
+Mirrors DeepSpeed's DistributedAttention (deepspeed/sequence/layer.py).
+"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mini_dist import comm, launch  # noqa: E402
+from mini_dist.context_parallel import SCORES, against_sdpa, check_inputs, ring_attention  # noqa: E402
+from mini_dist.sequence_layout import (CONTIGUOUS, SEQ_DIM, ZIGZAG, rank_order, reorder_chunks,  # noqa: E402
+                                       to_position_order)
+
+HEAD_DIM = 1  # [batch, heads, seq, head_dim]
+
+
+def ulysses_attention(q, k, v, causal=False, group=None, layout: str = ZIGZAG):
+    """F.scaled_dot_product_attention(q, k, v, is_causal=causal) on the whole sequence, this rank's part of it
+    (q, k, v [b, H, S/C, d] as split_sequence cuts them), computed on H/C whole heads over the whole sequence."""
+    check_inputs("ulysses_attention", q, k, v, causal, layout, group)
+    C, H = dist.get_world_size(group), q.shape[HEAD_DIM]
+    if H % C:  # every rank raises: check_inputs made sure they all hold the same shape
+        raise ValueError(f"ulysses_attention: {H} heads cannot be split over {C} ranks: Ulysses gives each rank "
+                         f"H/C whole heads; use a context-parallel size that divides {H}, or ring_attention")
+    layout = layout if causal else CONTIGUOUS                  # without the mask the keys' order does not matter
+    q, k, v = (to_position_order(comm.all_to_all(t, HEAD_DIM, SEQ_DIM, group), C, layout)
+               for t in (q, k, v))                             # [b, H, S/C, d] -> [b, H/C, S, d], in order
+    SCORES.record((*q.shape[:3], k.shape[2]), q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    out = reorder_chunks(out, rank_order(C, layout))           # back to the ranks' order
+    return comm.all_to_all(out, SEQ_DIM, HEAD_DIM, group)      # [b, H/C, S, d] -> [b, H, S/C, d]
+
+
+# ----- demo -----
+
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--seq", type=int, default=48, help="sequence length S (a multiple of 2C: zigzag's chunks)")
+    p.add_argument("--heads", type=int, default=12, help="attention heads H (a multiple of C)")
+    p.add_argument("--head-dim", type=int, default=16, help="head dimension d")
+    p.add_argument("--batch", type=int, default=2, help="sequences in the batch")
+    return p
+
+
+def demo(args) -> int:
+    C = launch.env_world_size()
+    launch.require(min(args.seq, args.heads, args.head_dim, args.batch) > 0, "sizes must be positive")
+    launch.require(args.seq % (2 * C) == 0, f"--seq {args.seq} on {C} ranks: use a multiple of 2C = {2 * C} "
+                                            f"(the zigzag layout cuts the sequence into 2C equal chunks)")
+    launch.require(args.heads % C == 0, f"--heads {args.heads} on {C} ranks: use a multiple of {C} (Ulysses "
+                                        f"gives each rank H/C whole heads)")
+    env = launch.setup()
+    b, H, S, d = args.batch, args.heads, args.seq, args.head_dim
+    full = [torch.randn(b, H, S, d, dtype=torch.float64, device=env.device) for _ in range(4)]  # alike on all
+    K = b * S * H * d * 8
+    want = {"Ulysses": (4 * (C - 1) * K // C ** 2,) * 2, "ring": (2 * (C - 1) * K // C, 4 * (C - 1) * K // C)}
+    launch.print0(f"C={C} ranks, b={b} H={H} S={S} d={d}, fp64, |K| = b*S*H*d*8 = {K} B\n"
+                  f"{'':16}| max |diff| out, dq, dk, dv | bytes fwd / bwd per rank | formula")
+    worst, ledgers_ok, peak, sent = 0.0, True, {}, {}
+    for name, attention in (("Ulysses", ulysses_attention), ("ring", ring_attention)):
+        for causal in (False, True):
+            diff, fwd, bwd = against_sdpa(attention, full, causal)
+            formula = want[name] if C > 1 else (0, 0)
+            worst, ledgers_ok = max(worst, diff), ledgers_ok and (fwd, bwd) == formula
+            peak.setdefault(name, SCORES.peak_bytes)
+            sent[name] = fwd, bwd
+            launch.print0(f"{name + ' causal' * causal:16}| {diff:27.1e} | {fwd:>10} / {bwd:<11} | "
+                          f"{formula[0]} / {formula[1]}")
+    if C > 1:
+        launch.print0(f"ring / Ulysses bytes: forward {sent['ring'][0] / sent['Ulysses'][0]:g} = C/2, backward "
+                      f"{sent['ring'][1] / sent['Ulysses'][1]:g} = C")
+    launch.print0(f"peak score bytes per rank: Ulysses {peak['Ulysses']} = b*(H/C)*S^2*8, ring {peak['ring']} = "
+                  f"b*H*(S/C)^2*8; one process {b * H * S * S * 8}")
+    return launch.conclude("ulysses", worst < 1e-12, f"= F.scaled_dot_product_attention ({worst:.0e})", ledgers_ok,
+                           "bytes = formulas: 4(C-1)/C^2 |K| each way, ring C/2 and C times more")
+
+
+if __name__ == "__main__":
+    raise SystemExit(launch.main(parser(), demo))

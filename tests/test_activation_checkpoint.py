@@ -1,0 +1,288 @@
+"""Activation checkpointing: gradients bit-identical to no checkpointing and to torch.utils.checkpoint,
+saved bytes equal to the formula, the reentrant form's known failures, bad input, and tensor parallelism.
+
+Tolerance: none. Recomputation runs the same kernels on the same inputs with the same RNG state, and
+backward then runs the same ops as without checkpointing, so every gradient must be bit for bit the same
+(==), in fp64 and in fp32 with dropout. A different dropout mask, a missing or doubled gradient, a stale
+recomputed tensor shows up as a difference, not as rounding.
+
+The MLP layer is Linear -> GeLU -> dropout. Per layer it saves its input and GeLU's input (e bytes per
+element each, n x w elements) and a 1-byte dropout mask (torch.native_dropout's bool mask, as F.dropout
+keeps on CUDA). So with d = 1 if dropout else 0, for L layers:
+
+    none                       L * (2e + d) * n*w
+    every layer checkpointed   L * e * n*w                       (inputs only)
+    checkpoint_sequential k    (k-1) * e*n*w + m * (2e + d) * n*w,   m = L - (k-1) * floor(L/k)
+    selective (keep matmuls)   L * 2e * n*w                      (input + the Linear's output; mask recomputed)
+"""
+import functools
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils import checkpoint as tc
+
+from harness import ROOT, device, rank_generator, run, subgroup
+from mini_dist.activation_checkpoint import (MATMULS, ReentrantCheckpoint, TransformerLayer, checkpoint,
+                                             checkpoint_module, checkpoint_sequential, keep_matmuls)
+from mini_dist.measure import SavedTensors, profile_step
+
+
+class MLPLayer(nn.Module):
+    def __init__(self, width, p, dtype):
+        super().__init__()
+        self.linear, self.p = nn.Linear(width, width, dtype=dtype), p
+
+    def forward(self, x, scale=None):
+        y = F.gelu(self.linear(x))
+        y = torch.native_dropout(y, self.p, True)[0] if self.p else y
+        return y if scale is None else y * scale
+
+
+def mlp(depth, width, p, dtype, tied, seed):
+    """depth layers; `tied`: the first layer is used again as the last (a parameter used twice)."""
+    torch.manual_seed(seed)
+    layers = [MLPLayer(width, p, dtype) for _ in range(depth - tied)]
+    return nn.Sequential(*layers, *layers[:1] * tied)
+
+
+def each(ckpt):
+    return lambda m, x: functools.reduce(lambda y, layer: ckpt(layer, y), m, x)
+
+
+def sac(m, x):
+    context = functools.partial(tc.create_selective_checkpoint_contexts, MATMULS)
+    return each(functools.partial(tc.checkpoint, use_reentrant=False, context_fn=context))(m, x)
+
+
+def strategies(k):
+    """name -> (ours, torch's)."""
+    return {"every layer": (each(checkpoint), each(functools.partial(tc.checkpoint, use_reentrant=False))),
+            "sequential": (lambda m, x: checkpoint_sequential(m, k, x),
+                           # a list: torch's takes nn.Sequential.children(), which skips a repeated layer
+                           lambda m, x: tc.checkpoint_sequential(list(m), k, x, use_reentrant=False)),
+            "selective": (each(functools.partial(checkpoint, policy=keep_matmuls)), sac)}
+
+
+def step(run_model, model, x, seed):
+    """Forward and backward under a fixed RNG seed: (output, saved bytes, input grad, parameter grads)."""
+    model.zero_grad()
+    x = x.detach().requires_grad_(x.requires_grad)
+    torch.manual_seed(seed)
+    with SavedTensors(exclude=model.parameters()) as saved:
+        out = run_model(model, x)
+    out.backward(torch.ones_like(out))
+    return out.detach(), saved.bytes, x.grad, [p.grad.clone() for p in model.parameters()]
+
+
+def identical(a, b):
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+CASES = dict(depth=st.integers(1, 6), width=st.integers(1, 8), n=st.integers(1, 4),
+             dtype_dropout=st.sampled_from([(torch.float64, 0.0), (torch.float32, 0.0), (torch.float32, 0.3)]),
+             x_grad=st.booleans(), tied=st.booleans(), seed=st.integers(0, 99), data=st.data())
+
+
+@given(**CASES)
+def test_gradients_are_bit_identical_to_no_checkpointing_and_to_torch_and_saved_bytes_equal_the_formula(
+        depth, width, n, dtype_dropout, x_grad, tied, seed, data):
+    dtype, p = dtype_dropout
+    tied = tied and depth >= 2
+    k = data.draw(st.integers(1, depth), label="segments")
+    model = mlp(depth, width, p, dtype, tied, seed)
+    x = torch.randn(n, width, dtype=dtype, generator=torch.Generator().manual_seed(seed)).requires_grad_(x_grad)
+    out, none_bytes, x_grad_ref, grads_ref = step(lambda m, y: m(y), model, x, seed)
+    e, nw, d = x.element_size(), n * width, int(p > 0)
+    m = depth - (k - 1) * (depth // k)
+    formula = {"every layer": depth * e * nw, "sequential": (k - 1) * e * nw + m * (2 * e + d) * nw,
+               "selective": depth * 2 * e * nw}
+    assert none_bytes == depth * (2 * e + d) * nw
+    for name, (ours, native) in strategies(k).items():
+        mine, theirs = step(ours, model, x, seed), step(native, model, x, seed)
+        for other in ((out, none_bytes, x_grad_ref, grads_ref), theirs):
+            assert torch.equal(mine[0], other[0]), name
+            assert identical(mine[2], other[2]), name
+            assert all(torch.equal(a, b) for a, b in zip(mine[3], other[3])), name
+        assert mine[1] == formula[name], name
+        if name != "selective":  # torch keeps the selective outputs outside autograd's saved tensors
+            assert mine[1] == theirs[1], name
+
+
+@settings(max_examples=10)
+@given(depth=st.integers(2, 5), k=st.integers(1, 5), seed=st.integers(0, 99))
+def test_peak_activation_bytes_alive_in_backward_equal_torchs_checkpoint(depth, k, seed):
+    """The recomputation holds what torch's does at its worst moment: one segment's recomputed tensors,
+    the inputs of the segments still waiting, and the op in flight (measure.LiveActivations, op by op)."""
+    k = min(k, depth)
+    model = mlp(depth, 6, 0.3, torch.float32, False, seed)
+    x = torch.randn(3, 6)
+    for name, (ours, native) in strategies(k).items():
+        peaks = []
+        for run_model in (ours, native):
+            torch.manual_seed(seed)
+            peaks.append(max(profile_step(lambda: run_model(model, x), lambda out: out.sum().backward())["backward"]))
+        assert peaks[0] == peaks[1], name
+
+
+def test_a_checkpointed_segment_runs_forward_twice_and_replays_the_matmuls_under_the_selective_policy():
+    calls, ops = [], []
+    model = mlp(3, 4, 0.0, torch.float64, False, 0)
+    model[1].register_forward_pre_hook(lambda *_: calls.append(1))
+    from torch.utils.flop_counter import FlopCounterMode
+    x = torch.randn(2, 4, dtype=torch.float64)
+    for run_model, forwards, recomputed_matmuls in [(lambda m, y: m(y), 1, 0), (each(checkpoint), 2, 3),
+                                                    (each(functools.partial(checkpoint, policy=keep_matmuls)), 2, 0)]:
+        calls.clear()
+        with FlopCounterMode(display=False) as flops:
+            run_model(model, x).sum().backward()
+        ops.append(flops.get_total_flops())
+        assert len(calls) == forwards
+        assert ops[-1] == ops[0] + recomputed_matmuls * 2 * 2 * 4 * 4  # 2*n*w*w per recomputed Linear
+
+
+def test_non_reentrant_works_where_reentrant_cannot_inputs_without_grad_autograd_grad_and_kwargs():
+    """The three reasons PyTorch recommends use_reentrant=False, for ours and for torch's."""
+    layer = mlp(1, 5, 0.0, torch.float64, False, 1)[0]
+    x = torch.randn(3, 5, dtype=torch.float64)  # data: no gradient needed
+    weights = list(layer.parameters())
+    want = torch.autograd.grad(layer(x).sum(), weights)
+    # (1) no input requires grad: the reentrant output does not either, the weights would get nothing
+    assert not ReentrantCheckpoint.apply(layer, x).requires_grad
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        assert not tc.checkpoint(layer, x, use_reentrant=True).requires_grad
+    for ours in (checkpoint, functools.partial(tc.checkpoint, use_reentrant=False)):
+        got = torch.autograd.grad(ours(layer, x).sum(), weights)  # (2) autograd.grad sees the weights
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # (2) reentrant: the inner backward fills .grad, the weights are not in the outer graph
+    xg = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        torch.autograd.grad(ReentrantCheckpoint.apply(layer, xg).sum(), weights)
+    # (3) keyword arguments, a tensor among them, which gets its gradient through the real graph
+    scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
+    want_scale = torch.autograd.grad(layer(x, scale=scale).sum(), scale)
+    assert torch.equal(torch.autograd.grad(checkpoint(layer, x, scale=scale).sum(), scale)[0], want_scale[0])
+    with pytest.raises(TypeError):
+        ReentrantCheckpoint.apply(layer, x, scale=scale)
+
+
+@given(x_grad=st.booleans(), seed=st.integers(0, 99))
+def test_reentrant_gradients_are_bit_identical_to_torchs_reentrant_checkpoint(x_grad, seed):
+    model = mlp(3, 4, 0.3, torch.float32, True, seed)
+    x = torch.randn(2, 4).requires_grad_(True)  # reentrant needs an input that requires grad
+    ours = step(lambda m, y: ReentrantCheckpoint.apply(m, y), model, x, seed)
+    theirs = step(lambda m, y: tc.checkpoint(m, y, use_reentrant=True), model, x, seed)
+    plain = step(lambda m, y: m(y), model, x, seed)
+    for other in (theirs, plain):
+        assert torch.equal(ours[0], other[0]) and torch.equal(ours[2], other[2])
+        assert all(torch.equal(a, b) for a, b in zip(ours[3], other[3]))
+    assert ours[1] == theirs[1] == x.numel() * x.element_size()  # the input, nothing else
+
+
+def test_retain_graph_recomputes_again_for_a_second_backward():
+    model, x = mlp(3, 4, 0.3, torch.float32, False, 2), torch.randn(2, 4)
+    grads = []
+    for run_model in (lambda m, y: m(y), each(checkpoint)):
+        model.zero_grad()
+        torch.manual_seed(2)
+        loss = run_model(model, x).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_checkpoint_module_keeps_parameter_names_and_gradients():
+    plain, wrapped = mlp(2, 4, 0.3, torch.float32, False, 3), mlp(2, 4, 0.3, torch.float32, False, 3)
+    names = [n for n, _ in wrapped.named_parameters()]
+    for layer in wrapped:
+        checkpoint_module(layer)
+    assert [n for n, _ in wrapped.named_parameters()] == names
+    x = torch.randn(5, 4)
+    a, b = step(lambda m, y: m(y), plain, x, 3), step(lambda m, y: m(y), wrapped, x, 3)
+    assert b[1] == 2 * x.numel() * 4 and all(torch.equal(p, q) for p, q in zip(a[3], b[3]))
+    with torch.no_grad():  # no graph, nothing to keep: a plain call
+        outs = [torch.manual_seed(3) and model(x) for model in (plain, wrapped)]
+    assert torch.equal(*outs)
+
+
+def test_the_transformer_layer_saves_korthikantis_count_and_checkpoints_to_its_input():
+    b, s, h, a = 2, 6, 8, 2
+    layer, x = TransformerLayer(h, a, 0.1), torch.randn(b, s, h)
+    with SavedTensors(exclude=layer.parameters()) as saved:
+        layer(x)
+    stats = 4 * s * b * 4  # two layer norms' mean and 1/std, fp32 on the CPU
+    assert saved.bytes == 4 * (16 * s * b * h + 2 * a * s * s * b) + 2 * s * b * h + a * s * s * b + stats
+    with SavedTensors(exclude=layer.parameters()) as saved:
+        checkpoint(layer, x)
+    assert saved.bytes == 4 * s * b * h
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("segments", [0, 4, -1, 1.5, True, "2"])
+def test_segments_outside_1_to_the_layer_count_are_refused_with_what_to_change(segments):
+    with pytest.raises(ValueError, match="segments must be a whole number from 1 to the 3 layers"):
+        checkpoint_sequential(mlp(3, 2, 0.0, torch.float64, False, 0), segments, torch.randn(1, 2))
+
+
+def test_a_model_that_is_not_a_chain_of_layers_is_refused():
+    with pytest.raises(TypeError, match="checkpoint its blocks with checkpoint"):
+        checkpoint_sequential(nn.Linear(2, 2), 1, torch.randn(1, 2))
+
+
+def test_a_segment_that_computes_something_else_when_recomputed_is_named_not_silently_wrong():
+    linear, calls = nn.Linear(3, 3), []
+
+    def moody(x):  # a branch on Python state: the recomputation takes the other branch
+        calls.append(1)
+        return linear(x).tanh() if len(calls) == 1 else linear(x)
+    with pytest.raises(RuntimeError, match="saved 2 tensors in forward and 1 when recomputed"):
+        checkpoint(moody, torch.randn(2, 3)).sum().backward()
+
+
+def test_demo_command_checks_itself_and_refuses_bad_segments_in_one_line():
+    script = f"{ROOT}/mini_dist/activation_checkpoint.py"
+    ok = subprocess.run([sys.executable, script, "--layers", "4", "--seq", "8", "--hidden", "8", "--heads", "2"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "SUMMARY|activation_checkpoint|PASS" in ok.stdout and "|PASS" in \
+        ok.stdout.split("SUMMARY")[1], ok.stdout + ok.stderr
+    bad = subprocess.run([sys.executable, script, "--layers", "4", "--segments", "5"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--segments" in bad.stderr, bad.stderr
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+
+
+def tp_block_grads(h, heads, tp, seed):
+    """A tensor-parallel block with and without checkpointing on a TP group of `tp`: equal gradients."""
+    from mini_dist.parallel_transformer import ParallelTransformerBlock
+    group = subgroup(range(tp))
+    if dist.get_rank() >= tp:
+        return None
+    torch.manual_seed(seed)
+    block = ParallelTransformerBlock(h, heads, group=group, device=device(), dtype=torch.float64)
+    x = torch.randn(2, 5, h, generator=rank_generator(seed), dtype=torch.float64).to(device())
+    results = []
+    for run_block in (block, functools.partial(checkpoint, block)):
+        block.zero_grad()
+        xg = x.clone().requires_grad_()
+        run_block(xg).square().sum().backward()
+        results.append([xg.grad] + [p.grad.clone() for p in block.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@settings(max_examples=6)
+@given(tp=st.integers(1, 4), seed=st.integers(0, 99))
+def test_a_checkpointed_tensor_parallel_block_equals_the_uncheckpointed_one_on_every_rank(tp, seed):
+    """The recomputation repeats the block's forward all-reduces inside backward, on every rank of the
+    group in the same order, and gets the same sums."""
+    assert all(r for r in run(4, tp_block_grads, 12, 12, tp, seed)[:tp])

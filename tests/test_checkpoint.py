@@ -1,0 +1,320 @@
+"""The sharded checkpoint format (mini_dist/checkpoint.py): saved at K ranks, loaded at K' in any layout,
+bit for bit; a save that dies leaves no checkpoint; corruption, disagreement and overlap refused; DCP.
+
+Every comparison is torch.equal: a checkpoint moves bytes, so anything short of identical bits is a bug.
+"""
+import os
+import shutil
+import tempfile
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness import RankFailure, device, run
+from mini_dist import checkpoint, recovery
+from mini_dist.checkpoint import CheckpointError, Sharded, overlap
+from mini_dist.reshard import flat_shard
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64,
+          "bool": torch.bool}
+
+
+def global_tensor(shape, dtype: str, seed: int) -> torch.Tensor:
+    """The tensor every rank agrees on (the same seed everywhere); each keeps its share of it."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype in ("int64", "bool"):
+        return torch.randint(-99, 99, shape, generator=g).to(DTYPES[dtype])
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(DTYPES[dtype])
+
+
+def cut(t: torch.Tensor, layout: str, rank: int, world: int):
+    """This rank's part of t in a layout: rows (dim 0, ZeRO-style flat ranges, the last dim (TP columns),
+    or the whole tensor, replicated. Sizes need not divide: the slices are uneven, some empty."""
+    if layout == "whole" or t.dim() == 0 and layout != "flat":
+        return t.clone()
+    if layout == "flat":
+        lo, hi = t.numel() * rank // world, t.numel() * (rank + 1) // world
+        return flat_shard(t.reshape(-1)[lo:hi].clone(), t.shape, lo)
+    dim = 0 if layout == "rows" else t.dim() - 1
+    lo, hi = t.shape[dim] * rank // world, t.shape[dim] * (rank + 1) // world
+    offsets = tuple(lo if d == dim else 0 for d in range(t.dim()))
+    return Sharded(tuple(t.shape), t.dtype, ((offsets, t.narrow(dim, lo, hi - lo).clone()),))
+
+
+def state_of(spec, seed, zeros=False):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = {}
+    for i, (shape, dtype, saved, loaded) in enumerate(spec):
+        t = global_tensor(shape, dtype, seed + i)
+        state[f"t{i}"] = cut(torch.zeros_like(t) if zeros else t, loaded if zeros else saved, rank, world)
+    state["run"] = None if zeros else {"epoch": 3, "lr": 0.1, "names": ("a", "b"), "losses": [1.5, 0.25]}
+    return state
+
+
+def save_worker(path, spec, seed):
+    checkpoint.save(state_of(spec, seed), path)
+    return os.path.getsize(os.path.join(path, f"rank_{dist.get_rank():05d}.bin"))
+
+
+def load_worker(path, spec, seed):
+    want = state_of(spec, seed, zeros=True)
+    stats = checkpoint.load(want, path)
+    equal = want["run"] == state_of(spec, seed)["run"]
+    for i, (shape, dtype, _, _) in enumerate(spec):
+        t = global_tensor(shape, dtype, seed + i)
+        for name, offsets, lengths, data in boxes(want, f"t{i}"):
+            equal &= data.dtype == t.dtype and torch.equal(data, t[tuple(slice(o, o + n) for o, n in
+                                                                           zip(offsets, lengths))])
+    return equal, stats, [b[:3] for name in want for b in boxes(want, name) if b[3].numel()]
+
+
+def boxes(state, name) -> list:
+    """(name, offsets, lengths, data) of each box of state[name]; a plain tensor is one whole box."""
+    v = state[name]
+    if not isinstance(v, (Sharded, torch.Tensor)):
+        return []
+    return [(name, list(o), list(d.shape), d) for o, d in (v.boxes if isinstance(v, Sharded) else [((0,) * v.dim(), v)])]
+
+
+layouts = st.sampled_from(["rows", "flat", "cols", "whole"])
+specs = st.lists(st.tuples(st.lists(st.integers(1, 7), min_size=0, max_size=3).map(tuple),
+                           st.sampled_from(sorted(DTYPES)), layouts, layouts), min_size=1, max_size=4)
+
+
+@settings(max_examples=15)
+@given(world=st.integers(1, 5), world_after=st.integers(1, 5), spec=specs, seed=st.integers(0, 99))
+def test_saved_at_k_ranks_loaded_at_k_prime_in_any_layout_is_bit_for_bit_and_reads_only_overlapping_boxes(
+        world, world_after, spec, seed):
+    path = tempfile.mkdtemp(prefix="test_checkpoint_")
+    try:
+        sizes = run(world, save_worker, path, spec, seed)
+        manifest = checkpoint.read_manifest(path)
+        total = sum(global_tensor(s, d, seed + i).nbytes for i, (s, d, _, _) in enumerate(spec))
+        assert sum(sizes) == total  # every element saved once: replicated ones by rank 0 alone
+        for equal, stats, wanted in run(world_after, load_worker, path, spec, seed):
+            assert equal
+            # the rank reads exactly the saved boxes that overlap one of its own, each once
+            touched = {(p["file"], p["start"]): p["nbytes"] for p in manifest["pieces"] for name, o, n in wanted
+                       if p["name"] == name and overlap(o, n, p["offsets"], p["lengths"])}
+            assert stats["bytes read"] == sum(touched.values())
+    finally:
+        shutil.rmtree(path)
+
+
+SPEC = [((5, 3), "float64", "flat", "rows"), ((7,), "int64", "rows", "cols"), ((), "float32", "whole", "whole")]
+
+
+def die_during_save(path, spec, seed, who, when):
+    """Rank `who` dies (os._exit) in the middle of its data file ("data": half of it written, not renamed)
+    or of the manifest ("manifest": rank 0, after every rank's file is in place)."""
+    if dist.get_rank() == who:
+        write = checkpoint.write_atomically
+
+        def half_then_die(file, chunks):
+            if file.endswith(checkpoint.MANIFEST if when == "manifest" else ".bin"):
+                with open(file + ".tmp", "wb") as f:
+                    f.write(b"".join(bytes(c) for c in chunks)[:20])
+                os._exit(1)
+            write(file, chunks)
+        checkpoint.write_atomically = half_then_die
+    checkpoint.save(state_of(spec, seed + 1), path)
+
+
+@pytest.mark.parametrize("who, when", [(1, "data"), (0, "manifest")])
+def test_a_rank_killed_during_save_leaves_the_previous_checkpoint_loadable_and_the_partial_one_ignored(who, when):
+    directory = tempfile.mkdtemp(prefix="test_checkpoint_")
+    try:
+        first, second = (os.path.join(directory, f"step_{s:08d}") for s in (1, 2))
+        run(3, save_worker, first, SPEC, 0)
+        with pytest.raises(RankFailure, match=f"rank {who}.*died"):
+            run(3, die_during_save, second, SPEC, 0, who, when)
+        assert os.path.isdir(second) and not os.path.exists(os.path.join(second, checkpoint.MANIFEST))
+        assert recovery.complete(directory) == [(1, first)]  # the partial one does not exist
+        assert all(equal for equal, _, _ in run(2, load_worker, first, SPEC, 0))
+        for error in run(2, refusal_worker, second, SPEC, 0):
+            assert "has no manifest.json: not a complete checkpoint" in error
+    finally:
+        shutil.rmtree(directory)
+
+
+def refusal_worker(path, spec, seed):
+    try:
+        checkpoint.load(state_of(spec, seed, zeros=True), path)
+    except (CheckpointError, ValueError) as e:
+        return str(e)
+    return "loaded"
+
+
+def corrupt(path, how):
+    """Flip one bit of tensor t0's bytes in rank 1's file, or cut that file short."""
+    file = os.path.join(path, "rank_00001.bin")
+    if how == "flip":
+        piece = next(p for p in checkpoint.read_manifest(path)["pieces"] if p["file"] == "rank_00001.bin")
+        with open(file, "r+b") as f:
+            f.seek(piece["start"] + piece["nbytes"] // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 4]))
+        return piece["name"]
+    os.truncate(file, os.path.getsize(file) - 1)
+    return [p for p in checkpoint.read_manifest(path)["pieces"] if p["file"] == "rank_00001.bin"][-1]["name"]
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_a_corrupted_shard_file_is_refused_on_every_rank_naming_the_file_and_the_tensor(how):
+    path = tempfile.mkdtemp(prefix="test_checkpoint_")
+    spec = [((6, 5), "float64", "rows", "rows"), ((9,), "float32", "flat", "flat")]
+    try:
+        run(3, save_worker, path, spec, 0)
+        tensor = corrupt(path, how)
+        errors = run(3, refusal_worker, path, spec, 0)
+        assert len(set(errors)) == 1  # the same message on every rank, though only rank 1 reads that file
+        words = "fail their crc32 check" if how == "flip" else "the file is truncated"
+        assert "rank_00001.bin" in errors[0] and f"tensor {tensor!r}" in errors[0] and words in errors[0]
+    finally:
+        shutil.rmtree(path)
+
+
+def bad_save_worker(path, case):
+    rank, t = dist.get_rank(), torch.arange(12.0).view(3, 4)
+    state = {"w": Sharded((3, 4), t.dtype, (((rank, 0), t[rank:rank + 1]),))}  # 3 ranks, a row each: fine
+    if case == "shape" and rank == 2:
+        state = {"w": Sharded((3, 5), t.dtype, (((rank, 0), t[rank:rank + 1, :4]),))}
+    if case == "twice":
+        state = {"w": Sharded((3, 4), t.dtype, (((0, 0), t[:2]),) if rank < 2 else (((2, 0), t[2:]),))}
+    if case == "gap":
+        state = {"w": Sharded((3, 4), t.dtype, (((rank, 0), t[rank:rank + 1, :3]),))}
+    if case == "outside":
+        state = {"w": Sharded((3, 4), t.dtype, (((rank, 2), t[rank:rank + 1]),))}
+    if case == "literal":
+        state = {"w": as_full(t), "object": torch.nn.Linear(1, 1) if rank == 1 else 0}
+    try:
+        checkpoint.save(state, path)
+    except CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def as_full(t):
+    return t
+
+
+@pytest.mark.parametrize("case, words", [
+    ("none", "saved"),
+    ("shape", "ranks disagree about 'w': rank 0 has [[3, 4], 'float32'], rank 2 [[3, 5], 'float32']"),
+    ("twice", "boxes of 'w' hold 20 elements of its 12, some twice"),
+    ("gap", "boxes of 'w' hold 9 elements of its 12"),
+    ("outside", "rank 0: a box of 'w' at (0, 2) of (1, 4) torch.float32 is not inside its (3, 4)"),
+    ("literal", "rank 1: 'object' is neither a tensor nor a Python literal: Linear"),
+])
+def test_a_save_whose_ranks_disagree_or_whose_boxes_do_not_tile_each_tensor_once_is_refused_naming_ranks(
+        case, words):
+    path = tempfile.mkdtemp(prefix="test_checkpoint_")
+    try:
+        messages = run(3, bad_save_worker, path, case)
+        assert len(set(messages)) == 1 and words in messages[0], messages
+        assert os.path.exists(os.path.join(path, checkpoint.MANIFEST)) == (case == "none")
+        if case == "none":  # and a complete checkpoint is never overwritten
+            with pytest.raises(RankFailure, match="already holds a complete checkpoint"):
+                run(3, bad_save_worker, path, case)
+    finally:
+        shutil.rmtree(path)
+
+
+def planner_refusal_worker(path):
+    wants = {"missing": {"nothing": torch.zeros(2)}, "dtype": {"w": torch.zeros(3, 4, dtype=torch.float64)},
+             "beyond": {"w": Sharded((4, 4), torch.float32, (((3, 0), torch.zeros(1, 4)),))},
+             "object": {"epoch": None}}
+    return {case: refusal_worker_state(path, want) for case, want in wants.items()}
+
+
+def refusal_worker_state(path, want):
+    try:
+        checkpoint.load(want, path)
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_a_load_the_checkpoint_cannot_fill_is_refused_before_anything_changes():
+    path = tempfile.mkdtemp(prefix="test_checkpoint_")
+    try:
+        run(3, bad_save_worker, path, "none")
+        for refusals in run(2, planner_refusal_worker, path):
+            assert "the checkpoint holds no such tensor" in refusals["missing"]
+            assert "the checkpoint holds [[3, 4], 'float32'], this rank wants [3, 4] float64" in refusals["dtype"]
+            assert "the checkpoint holds [[3, 4], 'float32'], this rank wants [4, 4]" in refusals["beyond"]
+            assert "the checkpoint has no value 'epoch'" in refusals["object"]
+    finally:
+        shutil.rmtree(path)
+
+
+# ----------------------------------------------------------------------------- DCP
+
+
+def dcp_worker(kind, mine, theirs, seed, shapes):
+    """Save (at K) or load (at K') the same global tensors through mini_dist and through
+    torch.distributed.checkpoint: mini_dist in flat ranges, then as TP columns; DCP as DTensors Shard(0)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device().type)
+    full = {f"p{i}": global_tensor(s, "float64", seed + i).to(device()) for i, s in enumerate(shapes)}
+    layout = "flat" if kind == "save" else "cols"
+    ours = {n: cut(torch.zeros_like(t) if kind == "load" else t, layout, dist.get_rank(), dist.get_world_size())
+            for n, t in full.items()}
+    native = {n: distribute_tensor(torch.zeros_like(t) if kind == "load" else t, mesh, [Shard(0)])
+              for n, t in full.items()}
+    if kind == "save":
+        checkpoint.save(ours, mine)
+        dcp.save(native, checkpoint_id=theirs)
+        return None
+    checkpoint.load(ours, mine)
+    dcp.load(native, checkpoint_id=theirs)
+    rebuilt = {}
+    for n, t in full.items():  # every rank's columns put back together, beside DCP's full tensor
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, [(o, d.cpu()) for o, d in ours[n].boxes] if isinstance(ours[n], Sharded)
+                               else [((0,) * t.dim(), ours[n].cpu())])
+        whole = torch.full(t.shape, float("nan"), dtype=t.dtype)
+        for o, d in (b for part in parts for b in part):
+            whole[tuple(slice(a, a + m) for a, m in zip(o, d.shape))] = d
+        rebuilt[n] = (whole, native[n].full_tensor().cpu(), t.cpu())
+    return rebuilt
+
+
+@settings(max_examples=4)
+@given(world=st.integers(1, 4), world_after=st.integers(1, 4), seed=st.integers(0, 99),
+       shapes=st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple), min_size=1, max_size=3))
+def test_a_dcp_checkpoint_and_a_mini_dist_one_of_the_same_state_load_to_the_same_tensors_at_another_world_size(
+        world, world_after, seed, shapes):
+    # The formats cannot meet (DCP pickles its metadata, and writes each chunk as a torch.save archive;
+    # mini_dist writes a JSON manifest and raw bytes): the same state goes through both, resharded.
+    directory = tempfile.mkdtemp(prefix="test_checkpoint_")
+    mine, theirs = os.path.join(directory, "mini_dist"), os.path.join(directory, "dcp")
+    try:
+        run(world, dcp_worker, "save", mine, theirs, seed, shapes)
+        for rebuilt in run(world_after, dcp_worker, "load", mine, theirs, seed, shapes):
+            for ours, native, saved in rebuilt.values():
+                assert torch.equal(ours, saved) and torch.equal(native, saved)
+    finally:
+        shutil.rmtree(directory)
+
+
+def test_the_manifest_records_each_box_with_the_crc32_of_its_bytes():
+    path = tempfile.mkdtemp(prefix="test_checkpoint_")
+    try:
+        run(2, save_worker, path, SPEC, 5)
+        manifest = checkpoint.read_manifest(path)
+        for piece in manifest["pieces"]:
+            with open(os.path.join(path, piece["file"]), "rb") as f:
+                f.seek(piece["start"])
+                assert zlib.crc32(f.read(piece["nbytes"])) == piece["crc32"]
+        assert manifest["objects"]["run"] == repr({"epoch": 3, "lr": 0.1, "names": ("a", "b"), "losses": [1.5, 0.25]})
+        assert sorted(manifest["files"]) == ["rank_00000.bin", "rank_00001.bin"]
+    finally:
+        shutil.rmtree(path)

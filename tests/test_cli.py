@@ -1,0 +1,134 @@
+"""A learner's first hour: every demo is a command, every mistake one clear line.
+
+In-process (fast): each module's command line answers --help with its flags and exit 0, refuses an unknown flag
+with exit 2, and refuses a configuration it cannot run with exit 2 and one line that says what to change,
+before any process group exists (WORLD_SIZE comes from the environment, as torchrun sets it). Through
+./run.sh (a few real torchrun runs): the rank count is only a number, the planner takes none, torchrun's
+40-line report does not bury a usage error, and no OMP_NUM_THREADS warning appears.
+"""
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMOS = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "mini_dist"))
+               if f.endswith(".py") and not f.startswith("_") and f != "planner.py")
+
+# A configuration each demo cannot run, as (world size, arguments) and a word the one-line error must contain.
+BAD = {
+    "activation_checkpoint": (1, ["--layers", "4", "--segments", "5"], "--segments"),
+    "comm": (2, ["--seq", "0"], "--seq"),
+    "compression": (2, ["--ranks", "1000"], "--ranks"),
+    "context_parallel": (5, [], "--seq"),
+    "debug": (1, [], "2 or more ranks"),
+    "ddp": (2, ["--steps", "0"], "--steps"),
+    "expert_parallel": (3, [], "experts"),
+    "flat_param": (2, ["--sizes", "4"], "--sizes"),
+    "fsdp": (2, ["--depth", "1"], "depth"),
+    "loss_scaling": (2, ["--steps", "0"], "steps"),
+    "measure": (1, ["--width", "0"], "--width"),
+    "mesh": (4, ["--pp", "3"], "pp"),
+    "mixed_precision": (1, ["--lr", "0"], "--lr"),
+    "moe": (1, ["--k", "9"], "--k"),
+    "parallel_transformer": (5, [], "heads"),
+    "pipeline": (2, ["--width", "0"], "--width"),
+    "pipeline_bubble": (2, ["--stage-ms", "0"], "--stage-ms"),
+    "pipeline_schedules": (2, ["--microbatches", "0"], "--microbatches"),
+    "ring_allreduce": (2, ["--numel", "-1"], "--numel"),
+    "sequence_layout": (5, [], "--seq"),
+    "sharded_state": (2, ["--steps", "0"], "steps"),
+    "tensor_parallel": (3, ["--hidden", "8"], "--hidden"),
+    "topology": (4, ["--ranks-per-node", "3"], "ranks-per-node"),
+    "train_3d": (4, ["--dp", "3", "--tp", "2"], "dp"),
+    "ulysses": (3, ["--heads", "8"], "heads"),
+    "vocab_parallel": (7, [], "vocab"),
+    "zero": (2, ["--steps", "0"], "steps"),
+}
+WITHOUT_BAD_CONFIGURATION = {"launch"}  # it runs on any world size and has no flags to get wrong
+
+
+def command_line(module, argv, world=1, monkeypatch=None):
+    from mini_dist import launch
+    m = importlib.import_module(f"mini_dist.{module}")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", [f"mini_dist/{module}.py", *argv])  # argparse names the program from it
+    return launch.main(m.parser(), m.demo, argv)
+
+
+@pytest.mark.parametrize("module", DEMOS)
+def test_every_demo_has_help_that_names_its_flags(module, monkeypatch, capsys):
+    assert command_line(module, ["--help"], monkeypatch=monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and "--help" in out
+    parser = importlib.import_module(f"mini_dist.{module}").parser()
+    for action in parser._actions:
+        for flag in action.option_strings:
+            assert flag in out, (module, flag)
+
+
+@pytest.mark.parametrize("module", DEMOS)
+def test_every_demo_refuses_an_unknown_flag(module, monkeypatch, capsys):
+    assert command_line(module, ["--frobnicate"], monkeypatch=monkeypatch) == 2
+    assert "unrecognized arguments: --frobnicate" in capsys.readouterr().err
+
+
+def test_every_demo_has_a_configuration_it_refuses_listed_here():
+    assert sorted(set(DEMOS) - WITHOUT_BAD_CONFIGURATION) == sorted(m for m in BAD if m in DEMOS)
+
+
+@pytest.mark.parametrize("module", sorted(BAD))
+def test_a_configuration_a_demo_cannot_run_is_one_line_and_exit_2(module, monkeypatch, capsys):
+    world, argv, word = BAD[module]
+    assert command_line(module, argv, world, monkeypatch) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{module}.py: error: ") and word in err[0], err
+
+
+def run_sh(*args, env=None):
+    environment = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE",
+                                                                  "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
+    environment.update(env or {})
+    return subprocess.run([os.path.join(ROOT, "run.sh"), *args], capture_output=True, text=True, timeout=180,
+                          env=environment)
+
+
+def test_run_sh_planner_help_is_the_planners_help():
+    result = run_sh("demo", "planner", "--help")
+    assert result.returncode == 0 and "--params" in result.stdout
+
+
+def test_run_sh_usage_error_is_one_short_line_not_torchruns_report():
+    module, (world, argv, word) = "tensor_parallel", BAD["tensor_parallel"]
+    result = run_sh("demo", module, str(world), *argv)
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) <= 3 and any(f"{module}.py: error: " in line for line in lines), lines
+    assert "ChildFailedError" not in result.stderr
+
+
+def test_run_sh_unknown_flag_exits_2_and_unknown_module_names_the_modules():
+    flag = run_sh("demo", "launch", "2", "--frobnicate")
+    assert flag.returncode == 2 and "unrecognized arguments: --frobnicate" in flag.stderr
+    assert len(flag.stderr.strip().splitlines()) <= 2
+    missing = run_sh("demo", "nosuch")
+    assert missing.returncode == 2 and "ring_allreduce" in missing.stderr
+
+
+def test_run_sh_demo_runs_without_torchruns_thread_warning():
+    result = run_sh("demo", "launch", "2")
+    assert result.returncode == 0 and "SUMMARY|launch|PASS" in result.stdout
+    assert "OMP_NUM_THREADS" not in result.stdout + result.stderr
+
+
+def test_nccl_without_gpus_is_one_line_saying_use_gloo():
+    if sys.modules.get("torch") is None:
+        import torch  # noqa: F401
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: NCCL can run")
+    result = run_sh("demo", "launch", "2", env={"MINI_DIST_BACKEND": "nccl"})
+    assert result.returncode == 2 and "gloo" in result.stderr and len(result.stderr.strip().splitlines()) == 1

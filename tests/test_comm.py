@@ -1,0 +1,124 @@
+"""The collectives with gradients (mini_dist/comm.py) equal the one-process computation they stand for.
+
+Each operator runs on every rank, each rank backpropagates its own output weights, and the same thing is redone
+in one process with autograd on everyone's inputs and weights (comm.check_operator). The data are small
+integers in fp64, so every sum is exact whatever order the ranks add in: outputs and gradients must be equal,
+not close. The row all-to-all (uneven counts, MoE's dispatch) is checked against a direct permutation of rows.
+Debug mode (MINI_DIST_DEBUG, on in the pools) must name the rank that disagrees, on every rank, and issue no
+collective at all when off.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from harness import RankFailure, device, run, subgroup
+from mini_dist import comm, debug
+
+
+def check_all(shape_per_rank, seed, group_size):
+    """Every operator on a subgroup of the first group_size ranks (the others idle)."""
+    group = subgroup(range(group_size))
+    if dist.get_rank() >= group_size:
+        return {}
+    b, s, h = shape_per_rank
+    T = group_size
+    return {name: comm.check_operator(name, comm.input_shape(name, b, s * T, h * T, T), seed, group)
+            for name in comm.CASES}
+
+
+@given(world=st.integers(1, 5), data=st.data(), b=st.integers(1, 2), s=st.integers(1, 3), h=st.integers(1, 3),
+       seed=st.integers(0, 50))
+def test_every_operator_equals_its_one_process_meaning_exactly(world, data, b, s, h, seed):
+    group_size = data.draw(st.integers(1, world))
+    results = run(world, check_all, (b, s, h), seed, group_size)
+    D = b * s * group_size * h * group_size * 8  # bytes of the full fp64 tensor
+    T = group_size
+    payload = {"f": D, "g": D, "gather_from_tp": D, "split_to_tp": D, "gather_from_sp": 2 * D,
+               "reduce_scatter_to_sp": 2 * D, "all_to_all": 2 * (T - 1) * D // T ** 2}
+    for rank, per_op in enumerate(results[:group_size]):
+        for name, (diff, nbytes) in per_op.items():
+            assert diff == 0.0, (rank, name)
+            assert nbytes == (payload[name] if T > 1 else 0), (rank, name, nbytes)
+
+
+def rows_round_trip(counts_seed, width):
+    """Rank r sends send[j] rows to rank j (some zero); the rows land where a direct permutation puts them,
+    and the gradient of each sent row is the weight its receiver gave it."""
+    T, r = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(counts_seed * 31 + r)
+    send = torch.randint(0, 3, (T,), generator=g).tolist()
+    table = [torch.empty(T, dtype=torch.int64) for _ in range(T)]
+    dist.all_gather(table, torch.tensor(send))
+    recv = [int(table[j][r]) for j in range(T)]
+    x = (torch.arange(sum(send) * width, dtype=torch.float64).view(-1, width) + 1000 * r).to(device())
+    x.requires_grad_()
+    y = comm.all_to_all_rows(x, send, recv)
+    w = torch.randn(y.shape, dtype=torch.float64, generator=g).to(device())
+    (y * w).sum().backward()
+    # the reference: everyone's rows and weights, permuted in one process
+    everyone = [None] * T
+    dist.all_gather_object(everyone, (x.detach().cpu(), send, w.cpu(), recv))
+    mine = torch.cat([everyone[j][0][sum(everyone[j][1][:r]):sum(everyone[j][1][:r + 1])] for j in range(T)])
+    # my rows that went to rank j sit at offset sum(recv_j[:r]) of rank j's output; their gradient is rank j's w there
+    back = torch.cat([everyone[j][2][sum(everyone[j][3][:r]):sum(everyone[j][3][:r + 1])] for j in range(T)])
+    return torch.equal(y.detach().cpu(), mine), torch.equal(x.grad.cpu(), back)
+
+
+@given(world=st.integers(1, 5), seed=st.integers(0, 100), width=st.integers(1, 4))
+def test_row_all_to_all_moves_rows_to_their_ranks_and_gradients_back(world, seed, width):
+    assert all(ok == (True, True) for ok in run(world, rows_round_trip, seed, width))
+
+
+def mismatched_all_reduce(bad_rank):
+    shape = (3, 2, 6) if dist.get_rank() == bad_rank else (2, 3, 6)  # same numel: a plain all-reduce would "work"
+    x = torch.ones(shape, device=device())
+    return comm.g(x).shape
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_debug_mode_names_the_rank_whose_shape_differs_on_every_rank(world):
+    bad = world - 1
+    with pytest.raises(RankFailure) as failure:
+        run(world, mismatched_all_reduce, bad)
+    text = str(failure.value)
+    for rank in range(world):  # every rank raised the same named error (no one hung, no one returned)
+        assert f"rank {rank} failed: Disagreement" in text
+    assert f"rank {bad} calls all_reduce ((3, 2, 6)" in text and "rank 0 calls all_reduce ((2, 3, 6)" in text
+    assert run(world, mismatched_all_reduce, -1)[0] == (2, 3, 6)  # the pool is usable afterwards
+
+
+def count_collectives_with_debug(on):
+    """How many torch.distributed calls one f/g/gather round issues, with debug mode on or off."""
+    calls = []
+    names = ("all_reduce", "all_gather", "all_gather_single", "all_gather_object", "reduce_scatter_single",
+             "all_to_all_single", "broadcast")
+    originals = {n: getattr(dist, n) for n in names}
+
+    def counting(n):
+        def call(*args, **kwargs):
+            calls.append(n)
+            return originals[n](*args, **kwargs)
+        return call
+    before, debug.DEBUG = debug.DEBUG, on
+    for n in names:
+        setattr(dist, n, counting(n))
+    try:
+        x = torch.ones(2, 4, 6, device=device(), requires_grad=True)
+        y = comm.gather_from_sp(comm.g(comm.f(x)))
+        comm.all_to_all(comm.reduce_scatter_to_sp(y), -1, 1).sum().backward()
+    finally:
+        debug.DEBUG = before
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+    return calls
+
+
+def test_debug_mode_off_issues_no_extra_collective():
+    off, on = run(2, count_collectives_with_debug, False)[0], run(2, count_collectives_with_debug, True)[0]
+    # forward: g all-reduce, gather all-gather, reduce-scatter, all-to-all; backward: the four conjugates
+    # (all-to-all, all-gather, reduce-scatter, f's all-reduce; g's backward is free)
+    assert off == ["all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single",
+                   "all_to_all_single", "all_gather_single", "reduce_scatter_single", "all_reduce"]
+    assert len(on) > len(off) and "all_gather_object" in on

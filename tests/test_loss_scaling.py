@@ -1,0 +1,283 @@
+"""DynamicLossScaler vs torch.amp.GradScaler, bit for bit; cross-rank overflow agreement; fp16 blamed on ranks.
+
+Every comparison with GradScaler is exact (torch.equal / ==), no tolerance: both sides run the same
+forward and backward on identical copies, then compute the same fp32 products (g * fp32(1/S) for the
+unscale, fp32(S * factor) rounded from fp64 for the update), so any difference is a real bug.
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import harness
+from harness import RankFailure, device, rank_generator, run, subgroup
+from mini_dist.loss_scaling import DynamicLossScaler
+from mini_dist.mixed_precision import MasterWeights
+
+KINDS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def count_steps(opt):
+    """A list whose length is the number of times opt.step() really ran (a skipped step adds nothing)."""
+    calls = []
+    opt.register_step_post_hook(lambda *_: calls.append(1))
+    return calls
+
+
+class Pipeline:
+    """One training setup: a linear layer (+ a frozen parameter, whose grad stays None) with two
+    optimizers, so that an inf in W's gradient skips W's optimizer while the bias's optimizer steps."""
+
+    def __init__(self, scaler, dev, W, b, adam, master, half_loss):
+        self.scaler, self.master, self.half_loss = scaler, master, half_loss
+        half = torch.float16 if master else torch.float32  # fp16 params need fp32 master weights
+        self.W, self.b = (t.to(dev, half, copy=True).requires_grad_() for t in (W, b))
+        self.frozen = torch.zeros(3, device=dev, dtype=half)
+        targets = [[self.W, self.frozen], [self.b]]
+        if master:
+            self.masters = [MasterWeights(ps) for ps in targets]
+            targets = [m.params for m in self.masters]
+        make = torch.optim.Adam if adam else (lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9))
+        self.opts = [make(ps, lr=1e-2) for ps in targets]
+        self.calls = [count_steps(o) for o in self.opts]
+
+    def iteration(self, x, c):
+        with torch.autocast(x.device.type, dtype=torch.float16, enabled=not self.master):
+            y = F.linear(x.to(self.W.dtype), self.W, self.b + self.frozen)
+        loss = (y.float() * c).sum()
+        # A 0-dim fp16 loss times GradScaler's 0-dim fp32 scale is promoted to fp32: dtypes must match too.
+        scaled = self.scaler.scale(loss.half() if self.half_loss else loss)
+        scaled.backward()
+        self.scaled = scaled.detach()
+        for m in self.masters if self.master else ():
+            m.grads_to_master()
+        for opt in self.opts:
+            self.scaler.step(opt)
+        self.scaler.update()
+        for opt in self.opts:
+            opt.zero_grad()
+        for m in self.masters if self.master else ():
+            m.master_to_model()
+
+    def observed(self):
+        return (self.scaler.state_dict(), [len(c) for c in self.calls], self.W.detach(), self.b.detach(),
+                self.scaled)
+
+
+def check_against_grad_scaler(dev, seed, init_scale, growth, backoff, interval, steps, injected, loud,
+                              adam, master, half_loss, reload_at):
+    g = torch.Generator().manual_seed(seed)
+    W, b = torch.randn(3, 5, generator=g), torch.randn(3, generator=g)
+    hyper = dict(init_scale=init_scale, growth_factor=growth, backoff_factor=backoff,
+                 growth_interval=interval)
+    mine = Pipeline(DynamicLossScaler(**hyper), dev, W, b, adam, master, half_loss)
+    ref = Pipeline(torch.amp.GradScaler(dev.type, **hyper), dev, W, b, adam, master, half_loss)
+    w_skipped = []
+    for t in range(steps):
+        x, c = torch.randn(4, 5, generator=g), loud * torch.randn(4, 3, generator=g)
+        if t in injected:
+            x[t % 4, t % 5] = KINDS[injected[t]]
+        before = len(mine.calls[0])
+        mine.iteration(x.to(dev), c.to(dev))
+        ref.iteration(x.to(dev), c.to(dev))
+        (state, calls, W1, b1, s1), (ref_state, ref_calls, W2, b2, s2) = mine.observed(), ref.observed()
+        torch.testing.assert_close(s1, s2, rtol=0, atol=0, equal_nan=True)  # exact, dtype included
+        assert state == ref_state, f"step {t}: scale/tracker {state} != GradScaler {ref_state}"
+        assert calls == ref_calls, f"step {t}: optimizer steps {calls} != GradScaler {ref_calls}"
+        assert torch.equal(W1, W2) and torch.equal(b1, b2), f"step {t}: parameters differ"
+        if len(mine.calls[0]) == before:
+            w_skipped.append(t)
+        if t == reload_at:  # each side continues from the other's checkpoint
+            mine.scaler, ref.scaler = DynamicLossScaler(), torch.amp.GradScaler(dev.type)
+            mine.scaler.load_state_dict(ref_state)
+            ref.scaler.load_state_dict(state)
+    assert {t for t in injected if t < steps} <= set(w_skipped), "an injected inf/NaN step was not skipped"
+
+
+grad_scaler_cases = given(
+    seed=st.integers(0, 2**16),
+    init_scale=st.sampled_from([2.0**16, 1.0]) | st.floats(1.0, 2.0**24),  # non-fp32 values: rounding
+    growth=st.sampled_from([2.0]) | st.floats(1.01, 8.0),
+    backoff=st.sampled_from([0.5]) | st.floats(0.01, 0.99),
+    interval=st.integers(1, 4),
+    steps=st.integers(4, 14),
+    injected=st.dictionaries(st.integers(0, 13), st.sampled_from(sorted(KINDS)), max_size=4),
+    loud=st.sampled_from([1.0, 1e3, 1e5]),  # loud gradients overflow fp16 by themselves
+    adam=st.booleans(), master=st.booleans(), half_loss=st.booleans(), reload_at=st.integers(-1, 13))
+
+
+@grad_scaler_cases
+@example(seed=1, init_scale=2.0**16, growth=2.0, backoff=0.5, interval=2, steps=12,
+         injected={3: "nan", 4: "inf"}, loud=1e3, adam=False, master=False, half_loss=False,
+         reload_at=-1)
+@example(seed=3, init_scale=2.0**10, growth=2.0, backoff=0.5, interval=3, steps=10,  # reload mid-
+         injected={}, loud=1.0, adam=True, master=True, half_loss=False, reload_at=3)  # growth interval
+@example(seed=2, init_scale=2.0**124, growth=4.0, backoff=0.5, interval=1, steps=4,  # growth stops
+         injected={}, loud=0.0, adam=False, master=False, half_loss=False, reload_at=-1)  # below inf
+def test_scaler_equals_grad_scaler_bit_for_bit_with_injected_and_natural_overflows(**case):
+    check_against_grad_scaler(torch.device("cpu"), **case)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs CUDA: compares with torch.amp.GradScaler('cuda') under real fp16 "
+                           "autocast on CUDA tensors (the CPU test above covers the same logic)")
+@grad_scaler_cases
+def test_scaler_equals_cuda_grad_scaler_bit_for_bit_under_cuda_fp16_autocast(**case):
+    check_against_grad_scaler(torch.device("cuda"), **case)
+
+
+# ----- across ranks -----
+
+def sharded_run(seed, steps, injected, hyper, members, loud=30.0, alone=False):
+    """Each member rank trains its own shard; the reference is one GradScaler over all the shards."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    singletons = [subgroup([r]) for r in range(world)] if alone else None
+    group = singletons[rank] if alone else (subgroup(members) if len(members) < world else None)
+    if rank not in members:
+        return None
+    dev, g = device(), rank_generator(seed)
+    own = [(torch.randn(3, 4, generator=g), torch.randn(2, 4, generator=g),
+            loud * torch.randn(2, 3, generator=g)) for _ in range(steps)]  # (W at start, x, c) per step
+    for t, r in injected.items():
+        if r == rank and t < steps:
+            own[t][1][0, t % 4] = math.inf
+    everyone = [None] * len(members)
+    dist.all_gather_object(everyone, own, group=subgroup(members) if len(members) < world else None)
+
+    def train(scaler, shard_data):
+        shards = [d[0][0].to(dev, copy=True).requires_grad_() for d in shard_data]
+        opt = torch.optim.SGD(shards, lr=1e-2)
+        calls, trace = count_steps(opt), []
+        for t in range(steps):
+            loss = 0
+            for W, d in zip(shards, shard_data):
+                with torch.autocast(dev.type, dtype=torch.float16):
+                    y = F.linear(d[t][1].to(dev), W)
+                loss = loss + (y.float() * d[t][2].to(dev)).sum()
+            before = len(calls)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            trace.append((scaler.get_scale(), len(calls) == before))
+        return trace, [W.detach().cpu() for W in shards]
+
+    mine, (mine_shard,) = train(DynamicLossScaler(**hyper, group=group), [own])
+    ref, ref_shards = train(torch.amp.GradScaler(dev.type, **hyper), everyone)
+    return mine, ref, torch.equal(mine_shard, ref_shards[members.index(rank)])
+
+
+@given(world=st.integers(1, 5), seed=st.integers(0, 2**16), steps=st.integers(3, 10),
+       injected=st.dictionaries(st.integers(0, 9), st.integers(0, 4), max_size=3),
+       interval=st.integers(1, 3), init_scale=st.sampled_from([2.0**8, 2.0**12]),
+       drop=st.sets(st.integers(0, 4), max_size=2))
+@settings(max_examples=15)
+def test_overflow_on_one_rank_makes_every_rank_skip_exactly_like_one_grad_scaler_over_all_shards(
+        world, seed, steps, injected, interval, init_scale, drop):
+    members = [r for r in range(world) if r not in drop] or [0]
+    hyper = dict(init_scale=init_scale, growth_interval=interval)
+    results = run(world, sharded_run, seed, steps, injected, hyper, members)
+    ref = results[members[0]][1]
+    for r in members:
+        mine, _, same_shard = results[r]
+        assert mine == ref, f"rank {r}: (scale, skipped) per step differ from one GradScaler over all shards"
+        assert same_shard, f"rank {r}: its shard differs from the same shard under GradScaler"
+    skipped = {t for t, (_, s) in enumerate(ref) if s}
+    overflowed = {t for t, r in injected.items() if r in members and t < steps}
+    assert overflowed <= skipped, "a step with an inf on one rank was not skipped by every rank"
+
+
+@pytest.mark.parametrize("world", [1, 2, 5])
+def test_with_no_overflow_anywhere_every_rank_steps_every_time(world):
+    results = run(world, sharded_run, 7, 6, {}, dict(init_scale=2.0**8), list(range(world)), loud=1.0)
+    for mine, ref, same_shard in results:
+        assert mine == ref and same_shard
+        assert [skipped for _, skipped in mine] == [False] * 6
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_without_a_shared_group_only_the_overflowing_rank_skips(world):
+    """The negative control: the all-reduce over the group is what makes the skip collective."""
+    results = run(world, sharded_run, 3, 4, {2: world - 1}, dict(init_scale=2.0**8),
+                  list(range(world)), alone=True)
+    skipped = [[t for t, (_, s) in enumerate(mine) if s] for mine, _, _ in results]
+    assert skipped[world - 1] == [2] and all(s == [] for s in skipped[:-1])
+
+
+def fp16_grads_on(bad_ranks, members):
+    group = subgroup(members) if len(members) < dist.get_world_size() else None
+    if dist.get_rank() not in members:
+        return None
+    dtype = torch.float16 if dist.get_rank() in bad_ranks else torch.float32
+    p = torch.zeros(3, device=device(), dtype=dtype, requires_grad=True)
+    p.grad = torch.ones_like(p)
+    DynamicLossScaler(group=group).unscale_(torch.optim.SGD([p], lr=1.0))
+
+
+@pytest.mark.parametrize("world,members,bad,named", [
+    (3, (0, 1, 2), (1,), "rank 1;"), (4, (0, 1, 2, 3), (0, 3), "ranks 0, 3;"),
+    (4, (1, 2, 3), (3,), "rank 3;")])  # a subgroup: rank 3 is its group rank 2, named by its global rank
+def test_fp16_gradients_make_every_rank_raise_the_same_error_naming_the_ranks_that_hold_them(
+        world, members, bad, named):
+    run(world, fp16_grads_on, (), members)
+    pids = [p.pid for p in harness._pools[world].procs]
+    with pytest.raises(RankFailure, match=f"fp16 gradients on {named} S\\*g/S in fp16 underflows") as info:
+        run(world, fp16_grads_on, bad, members)
+    assert all(f"rank {r} failed: ValueError" in str(info.value) for r in members)
+    if len(members) == world:  # the same error on every rank: the harness keeps the pool, nobody blocked
+        assert [p.pid for p in harness._pools[world].procs] == pids
+
+
+def huge_gradients(poison):
+    """fp32 gradients of 1e30: finite, but their squares overflow fp32, so an L2 norm of them is inf."""
+    runs = []
+    for scaler in (DynamicLossScaler(1.0), torch.amp.GradScaler("cpu", 1.0)):
+        params = [torch.zeros(4, requires_grad=True) for _ in range(3)]
+        for i, p in enumerate(params):
+            p.grad = torch.full((4,), 1e30 * (i + 1))
+        if poison is not None:
+            params[1].grad[2] = KINDS[poison]
+        opt = torch.optim.SGD(params, lr=1e-31)
+        calls = count_steps(opt)
+        scaler.scale(torch.ones(()))
+        scaler.step(opt)
+        scaler.update()
+        runs.append((len(calls), scaler.get_scale(), [p.detach().clone() for p in params]))
+    return runs
+
+
+@pytest.mark.parametrize("poison", [None, "inf", "nan"])
+def test_finite_gradients_whose_squares_overflow_are_not_an_overflow_and_a_real_inf_among_them_is(poison):
+    (steps, scale, params), (ref_steps, ref_scale, ref_params) = huge_gradients(poison)
+    assert (steps, scale) == (ref_steps, ref_scale) == ((1, 1.0) if poison is None else (0, 0.5))
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+
+
+# ----- misuse -----
+
+@pytest.mark.parametrize("bad, fix", [(dict(growth_factor=1.0), "growth_factor must be > 1"),
+                                      (dict(backoff_factor=1.0), r"backoff_factor must be in \(0, 1\)"),
+                                      (dict(backoff_factor=0.0), r"backoff_factor must be in \(0, 1\)"),
+                                      (dict(growth_interval=0), "growth_interval must be an int >= 1"),
+                                      (dict(init_scale=math.inf), "init_scale must be positive")])
+def test_bad_hyper_parameters_are_rejected_with_what_to_change(bad, fix):
+    with pytest.raises(ValueError, match=fix):
+        DynamicLossScaler(**bad)
+
+
+def test_lifecycle_misuse_is_rejected():
+    p = torch.zeros(2, requires_grad=True)
+    opt, scaler = torch.optim.SGD([p], lr=1.0), DynamicLossScaler()
+    with pytest.raises(RuntimeError, match="needs unscale_"):
+        scaler.update()
+    scaler.scale(p.sum()).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="already called"):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="already called"):
+        scaler.step(opt)
