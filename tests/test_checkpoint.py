@@ -219,8 +219,8 @@ def test_a_save_whose_ranks_disagree_or_whose_boxes_do_not_tile_each_tensor_once
         assert len(set(messages)) == 1 and words in messages[0], messages
         assert os.path.exists(os.path.join(path, checkpoint.MANIFEST)) == (case == "none")
         if case == "none":  # and a complete checkpoint is never overwritten
-            with pytest.raises(RankFailure, match="already holds a complete checkpoint"):
-                run(3, bad_save_worker, path, case)
+            again = run(3, bad_save_worker, path, case)
+            assert all("already holds a complete checkpoint" in m for m in again), again
     finally:
         shutil.rmtree(path)
 
