@@ -28,8 +28,21 @@ the bubble over the compute); compute 6 FLOPs per parameter per token (Kaplan et
 recomputing; Amdahl (1967): a serial fraction f caps the speed-up at 1/f. Traffic time is bytes /
 bandwidth, with no latency and no overlap. These are the formulas behind DeepSpeed's
 estimate_zero3_model_states_mem_needs and Megatron's memory report; PyTorch has no planner.
+
+Demo (one process): the 16 bytes per parameter counted in what torch.optim really holds after a step,
+then the ZeRO table for K ranks; mini_dist/planner.py builds its recommendations on these functions.
+
+    python -m mini_dist.cost_model --numel 1000003 --precision bf16 --optimizer adam --ranks 8
 """
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+if not __package__:  # run as `python mini_dist/cost_model.py`: put the repo, not mini_dist/, on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mini_dist import launch  # noqa: E402
 
 GB = 1e9
 PRECISIONS = {"fp32": (4, 4, 0), "bf16": (2, 2, 4), "fp16": (2, 2, 4), "fp64": (8, 8, 0)}  # weight, grad, master
@@ -382,3 +395,56 @@ def peak_activations(actions, per_chunk: list[int]) -> int:
         alive += per_chunk[a.chunk] * ((a.op == "forward") - (a.op in ("backward", "backward_weight")))
         peak = max(peak, alive)
     return peak
+
+
+# ----------------------------------------------------------------------------- demo
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+
+
+def measured_model_state_bytes(numel: int, precision: str, optimizer: str) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) bytes torch holds after one step of a model of numel parameters.
+    Mixed precision: the model's weights and gradients in 16 bits, the optimizer stepping an fp32 master copy
+    (mini_dist/mixed_precision.py); its master and state tensors count as state. Adam's step counter, one
+    scalar per parameter tensor, is left out, as the formula leaves it out."""
+    weight = torch.zeros(numel, dtype=DTYPES[precision], requires_grad=True)
+    weight.grad = torch.ones_like(weight)
+    master = torch.nn.Parameter(weight.detach().float()) if PRECISIONS[precision][2] else weight
+    master.grad = weight.grad.to(master.dtype)
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1), "momentum": lambda p: torch.optim.SGD(p, 0.1, momentum=0.9),
+            "adam": lambda p: torch.optim.Adam(p, lr=0.1)}[optimizer]
+    opt = make([master])
+    opt.step()
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    return size(weight), size(weight.grad), state + (size(master) if master is not weight else 0)
+
+
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--numel", type=int, default=1_000_003, help="parameters of the model")
+    p.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
+    p.add_argument("--ranks", type=int, default=8, help="K, data-parallel ranks of the ZeRO table")
+    return p
+
+
+def demo(args) -> int:
+    launch.require(args.numel >= 1, f"--numel must be >= 1, got {args.numel}")
+    launch.require(args.ranks >= 1, f"--ranks must be >= 1, got {args.ranks}")
+    n, k = args.numel, args.ranks
+    measured = measured_model_state_bytes(n, args.precision, args.optimizer)
+    predicted = model_state_bytes(n, 1, 0, args.precision, args.optimizer)
+    print(f"{args.precision} {args.optimizer}, N = {n:,}: torch holds weights, gradients, state = "
+          f"{measured[0]:,} + {measured[1]:,} + {measured[2]:,} B; formula {predicted[0]:,} + {predicted[1]:,} + "
+          f"{predicted[2]:,} B = {sum(predicted) / n:g} B per parameter  {'ok' if measured == predicted else 'OFF'}")
+    print(f"per rank over K = {k} (Rajbhandari et al. 2020, Figure 1; S = ceil(N/K) = {shard(n, k):,}):")
+    for stage, name in STAGES.items():
+        w, g, o = model_state_bytes(n, k, stage, args.precision, args.optimizer)
+        print(f"  {name:7s} {w:>14,} + {g:>14,} + {o:>14,} = {w + g + o:>15,} B  ({(w + g + o) / n:6.3f} B/param)")
+    return 0 if measured == predicted else 1
+
+
+if __name__ == "__main__":
+    sys.exit(launch.main(parser(), demo))

@@ -270,7 +270,10 @@ def parser():
 
 def demo(args) -> int:
     world, M = launch.env_world_size(), args.microbatches
-    grid = grid_for(world, args.dp, args.pp, args.tp, default_pp=2)
+    grid = grid_for(world, dp=args.dp, pp=args.pp, tp=args.tp, default_pp=2)
+    launch.require(grid.cp == 1, f"--dp {grid.dp} x --pp {grid.pp} x --tp {grid.tp} = {grid.size // grid.cp} ranks, "
+                                 f"but the world has {world}: choose degrees whose product is {world} (context "
+                                 "parallelism: mini_dist/train_5d.py --cp)")
     launch.require(M >= 1 and args.chunks >= 1 and args.steps >= 1 and min(args.layers, args.hidden, args.heads) >= 1,
                    "--microbatches, --chunks, --steps, --layers, --hidden and --heads must be at least 1")
     dp, pp, tp = grid.dp, grid.pp, grid.tp
@@ -279,7 +282,7 @@ def demo(args) -> int:
     problem = configuration_error(cfg, (dp, pp, tp), M, args.schedule, args.chunks)
     launch.require(problem is None, problem)
     launch.setup()
-    mesh = Mesh(dp, pp, tp)
+    mesh = Mesh(dp=dp, pp=pp, tp=tp)
     dp_axis = "" if dp == 1 else f"; DP over {dp} replicas: " + (
         f"ZeRO-{args.zero}" if args.zero else "DDP, gradients reduced once per step during the last backward")
     launch.print0(f"{grid.picture()}\ntiny GPT: {cfg.layers} blocks, h={cfg.hidden}, {cfg.heads} heads, s={cfg.seq}, "

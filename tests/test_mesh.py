@@ -1,5 +1,7 @@
-"""The DP x PP x TP grid: groups partition the world, TP is innermost, and torch's DeviceMesh agrees; degrees
-left out are filled in, and degrees that cannot fill the world are refused saying which flags to change."""
+"""The DP x PP x CP x TP grid and its EP groups: every kind of group partitions the world, TP is innermost and CP
+next to it, and torch's DeviceMesh (with dp x cp flattened and unflattened into edp x ep, as torchtitan builds
+them) agrees; degrees left out are filled in, and degrees that cannot fill the world are refused saying which
+flags to change."""
 import math
 
 import pytest
@@ -9,45 +11,80 @@ from hypothesis import given, strategies as st
 
 from harness import RankFailure, device, run
 from mini_dist.launch import UsageError
-from mini_dist.mesh import AXES, Mesh, RankGrid, grid_for
-
-degrees = st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4))
+from mini_dist.mesh import AXES, GROUPS, Mesh, RankGrid, grid_for
 
 
-@given(degrees)
-def test_each_axis_partitions_the_world_and_coords_invert_rank(dims):
-    grid = RankGrid(*dims)
-    for axis in AXES:
-        groups = grid.groups(axis)
-        assert sorted(r for g in groups for r in g) == list(range(grid.size))
-        assert all(len(g) == getattr(grid, axis) for g in groups)
-        for g in groups:  # the members differ only in this axis's coordinate
+@st.composite
+def grids(draw):
+    dims = {a: draw(st.integers(1, 3)) for a in AXES}
+    product = dims["dp"] * dims["cp"]
+    ep = draw(st.sampled_from([e for e in range(1, product + 1) if product % e == 0]))
+    return RankGrid(**dims, ep=ep)
+
+
+def expected_size(grid, name):
+    return {"dp_cp": grid.dp * grid.cp, "ep": grid.ep, "edp": grid.dp * grid.cp // grid.ep}.get(
+        name, getattr(grid, name, None))
+
+
+@given(grids())
+def test_every_group_kind_partitions_the_world_and_coords_invert_rank(grid):
+    for name in GROUPS:
+        groups = grid.groups(name)
+        assert sorted(r for g in groups for r in g) == list(range(grid.size)), name
+        assert all(len(g) == expected_size(grid, name) for g in groups), name
+    for axis in AXES:  # the members of an axis's group differ only in that axis's coordinate
+        for g in grid.groups(axis):
             for other in AXES:
                 assert len({grid.coords(r)[other] for r in g}) == (len(g) if other == axis else 1)
-    assert [grid.rank(**grid.coords(r)) for r in range(grid.size)] == list(range(grid.size))
+    for g in grid.groups("dp_cp"):  # same weights: same pp and tp, every (dp, cp) pair once
+        assert len({(grid.coords(r)["pp"], grid.coords(r)["tp"]) for r in g}) == 1
+        assert len({(grid.coords(r)["dp"], grid.coords(r)["cp"]) for r in g}) == grid.dp * grid.cp
+    for g in grid.groups("ep"):  # ep consecutive places f = dp_index * cp + cp_index of the dp x cp product
+        f = [grid.coords(r)["dp"] * grid.cp + grid.coords(r)["cp"] for r in g]
+        assert f == list(range(f[0], f[0] + grid.ep)) and f[0] % grid.ep == 0
+    for g in grid.groups("edp"):  # the ranks that hold the same experts: one per EP group
+        assert len({grid.coords(r)["ep_index"] for r in g}) == 1
+        assert len({grid.coords(r)["ep_replica"] for r in g}) == len(g)
+    assert [grid.rank(*(grid.coords(r)[a] for a in AXES)) for r in range(grid.size)] == list(range(grid.size))
 
 
-@given(degrees)
-def test_tensor_parallel_ranks_are_adjacent_so_they_share_a_node(dims):
-    for g in RankGrid(*dims).groups("tp"):
+@given(grids())
+def test_tensor_parallel_ranks_are_adjacent_and_context_parallel_groups_next_to_them(grid):
+    for g in grid.groups("tp"):
         assert g == list(range(g[0], g[0] + len(g)))
+    for g in grid.groups("cp"):
+        assert g == list(range(g[0], g[0] + grid.cp * grid.tp, grid.tp))
 
 
 def factorisations(n):
-    return [(d, p, n // (d * p)) for d in range(1, n + 1) for p in range(1, n + 1) if n % (d * p) == 0]
+    """Every (dp, pp, cp, tp) whose product is n, with every ep that divides dp x cp."""
+    result = []
+    for dp in range(1, n + 1):
+        for pp in range(1, n + 1):
+            for cp in range(1, n + 1):
+                if n % (dp * pp * cp) == 0:
+                    result += [(dp, pp, cp, n // (dp * pp * cp), ep) for ep in range(1, dp * cp + 1)
+                               if dp * cp % ep == 0]
+    return result
 
 
 def mesh_vs_device_mesh(dims):
+    """Our groups, torch's (built here, independently of mini_dist.mesh), an all-reduce per group, our coords."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = Mesh(*dims)
-    reference = init_device_mesh(device().type, dims, mesh_dim_names=AXES)
+    dp, pp, cp, tp, ep = dims
+    reference = init_device_mesh(device().type, (dp, pp, cp, tp), mesh_dim_names=AXES)
+    flat = reference["dp", "cp"]._flatten("dp_cp")
+    expert = flat._unflatten(0, (dp * cp // ep, ep), ("edp", "ep"))
+    owner = {**{a: reference for a in AXES}, "dp_cp": flat, "ep": expert, "edp": expert}
     sums = {}
-    for axis in AXES:
+    for name in GROUPS:
         t = torch.tensor([float(dist.get_rank())], device=device())
-        dist.all_reduce(t, group=mesh.group[axis])
-        sums[axis] = t.item()
-    return ({a: dist.get_process_group_ranks(reference.get_group(a)) for a in AXES}, mesh.ranks, sums,
-            (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank))
+        dist.all_reduce(t, group=mesh.group[name])
+        sums[name] = t.item()
+    return ({n: dist.get_process_group_ranks(owner[n].get_group(n)) for n in GROUPS}, mesh.ranks, sums,
+            (mesh.dp_rank, mesh.pp_rank, mesh.cp_rank, mesh.tp_rank))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -55,15 +92,17 @@ def test_mesh_groups_equal_device_mesh_for_every_factorisation(world):
     for dims in factorisations(world):
         for rank, (reference, ours, sums, coords) in enumerate(run(world, mesh_vs_device_mesh, dims)):
             assert ours == reference, dims
-            assert sums == {a: float(sum(ours[a])) for a in AXES}
+            assert sums == {n: float(sum(ours[n])) for n in GROUPS}
             assert coords == tuple(RankGrid(*dims).coords(rank)[a] for a in AXES)
 
 
 def test_degrees_whose_product_is_not_the_world_are_rejected_on_every_rank():
-    with pytest.raises(RankFailure, match=r"dp x pp x tp = 2 x 1 x 2 = 4 ranks, but the world has 3"):
-        run(3, mesh_vs_device_mesh, (2, 1, 2))
+    with pytest.raises(RankFailure, match=r"dp x pp x cp x tp = 2 x 1 x 1 x 2 = 4 ranks, but the world has 3"):
+        run(3, mesh_vs_device_mesh, (2, 1, 1, 2, 1))
     with pytest.raises(ValueError, match="--tp must be at least 1"):
-        RankGrid(1, 1, 0)
+        RankGrid(1, 1, 1, 0)
+    with pytest.raises(ValueError, match="--ep 3 must divide dp x cp = 2 x 1 = 2"):
+        RankGrid(2, 1, 1, 1, ep=3)
 
 
 @given(st.integers(1, 16), st.integers(1, 3), st.data())
@@ -71,21 +110,25 @@ def test_grid_for_fills_in_the_degrees_left_out_so_that_all_multiply_to_the_worl
     degrees = {axis: data.draw(st.none() | st.integers(1, 8)) for axis in AXES}
     given_ = {a: d for a, d in degrees.items() if d is not None}
     fixed = math.prod(given_.values())
-    if world % fixed or (len(given_) == 3 and fixed != world):
+    if world % fixed or (len(given_) == len(AXES) and fixed != world):
         with pytest.raises(UsageError, match=" x ".join(f"--{a} {d}" for a, d in given_.items())):
             grid_for(world, **degrees, default_pp=default_pp)
         return
     grid = grid_for(world, **degrees, default_pp=default_pp)
     assert grid.size == world and all(getattr(grid, a) == d for a, d in given_.items())
-    if degrees["tp"] is None and (degrees["pp"] is None or degrees["dp"] is None) and (world // fixed) % 2 == 0:
+    missing = [a for a in AXES if a not in given_]
+    if "tp" in missing and len(missing) > 1 and (world // fixed) % 2 == 0:
         assert grid.tp == 2  # the default a missing tp takes where what is left allows it
+    if "cp" in missing and missing != ["cp"]:
+        assert grid.cp == 1  # context parallelism only when asked for
 
 
 @pytest.mark.parametrize("world, degrees, says", [
     (4, dict(pp=3), "--pp 3 does not divide the world of 4 ranks: choose degrees whose product divides 4"),
     (4, dict(dp=3, tp=2), "--dp 3 x --tp 2 = 6 does not divide the world of 4 ranks"),
-    (4, dict(dp=1, pp=1, tp=2), "--dp 1 x --pp 1 x --tp 2 = 2 ranks, but the world has 4: choose degrees whose "
-                                "product is 4"),
+    (4, dict(dp=1, pp=1, cp=1, tp=2), "--dp 1 x --pp 1 x --cp 1 x --tp 2 = 2 ranks, but the world has 4: choose "
+                                      "degrees whose product is 4"),
+    (4, dict(dp=2, tp=2, ep=4), "--ep 4 must divide dp x cp = 2 x 1 = 2"),
     (4, dict(dp=0), "--dp must be at least 1, got 0")])
 def test_degrees_that_cannot_fill_the_world_name_the_flags_the_user_gave(world, degrees, says):
     with pytest.raises(UsageError) as info:

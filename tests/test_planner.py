@@ -333,7 +333,7 @@ def test_cli_has_help_and_says_every_mistake_in_one_line_with_exit_code_2():
     help_ = _cli("--help")
     assert help_.returncode == 0 and all(f"--{name}" in help_.stdout for name, *_ in planner.FLAGS)
     for args, message in [(["--params", "7B", "--gpus", "0"], "gpus must be a whole number >= 1, got 0"),
-                          (["--params", "7B", "--gpus", "8", "--tp", "3"], "dp x tp x pp = 2 x 3 x 1"),
+                          (["--params", "7B", "--gpus", "8", "--tp", "3"], "dp x tp x pp x cp = 2 x 3 x 1 x 1"),
                           (["--params=-7B"], "params must be a whole number >= 1"),
                           (["--frobnicate"], "unrecognized arguments: --frobnicate"),
                           (["--gpus", "x"], "argument --gpus: invalid int value: 'x'"),
@@ -576,3 +576,11 @@ def test_activation_bytes_equal_what_a_transformer_layer_keeps_with_and_without_
     assert plain == full + layers * stats
     assert inputs == layers * e * s * b * h == kept - full // layers
     assert 0 <= peak - kept - stats <= max(4 * s * b * h, heads * s * s * b) * e + 2 * e
+
+
+@pytest.mark.parametrize("precision", list(cost_model.PRECISIONS))
+@pytest.mark.parametrize("optimizer", list(cost_model.OPTIMIZERS))
+def test_model_state_bytes_equal_what_torch_optim_holds_after_a_step(precision, optimizer):
+    numel = 1001  # odd: no size divides it
+    assert cost_model.measured_model_state_bytes(numel, precision, optimizer) == \
+        cost_model.model_state_bytes(numel, 1, 0, precision, optimizer)

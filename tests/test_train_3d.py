@@ -34,7 +34,7 @@ def factorisations(world):
 def mesh_for(dims):
     """One Mesh per set of degrees, per pool: every rank creates the same groups in the same order once."""
     if dims not in _meshes:
-        _meshes[dims] = Mesh(*dims)
+        _meshes[dims] = Mesh(dp=dims[0], pp=dims[1], tp=dims[2])
     return _meshes[dims]
 
 
