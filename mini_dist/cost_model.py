@@ -368,32 +368,40 @@ def gpt_activation_bytes(model: Model, plan: Plan, layers: list[str], received: 
     the head), n = micro_batch*seq/cp tokens, int64 indices, bool masks. A block with an MLP keeps
     e[(4nh + 4n) + (12nh + Hn)/T] (mini_dist/parallel_transformer.py's count; ring attention keeps what SDPA
     keeps); with a mixture of experts 4nh/T of the 12 stay, and the router, dispatch and experts keep
-    e(nE + E) + nk(24 + e + 2he) + (k > 1)n(k+1)e + R(16 + 9he), R the rows its experts received (None:
-    balanced, n*k, exact when every token picks every expert or ep = 1); a checkpointed block keeps its input,
-    e*n*h. The embedding keeps token and position indices and a mask, 9n + 8*seq; the head its layer norm's
-    input, statistics and output, e*n(2h + 2); the vocab-parallel loss its softmax, e*n*V/T, and 9n."""
+    e*nE + nk(24 + e + 2he) + (k > 1)n(k+1)e + R(16 + 9he), R the rows its experts received; `received`: R
+    summed over the chunk's blocks (None: balanced, n*k per block, exact when ep = 1). A checkpointed block
+    keeps its input, e*n*h. The embedding keeps token and position indices and a mask, 9n + 8*seq; the head
+    its layer norm's input, statistics and output, e*n(2h + 2); the vocab-parallel loss its softmax,
+    e*n*V/T, and 9n."""
     e, h, T, H, E, k = PRECISIONS[plan.precision][0], model.hidden, plan.tp, model.heads, model.experts, model.top_k
-    n = plan.micro_batch * model.seq // plan.cp
-    R = n * k if received is None else received
+    n, routed = plan.micro_batch * model.seq // plan.cp, 0
     if plan.checkpoint:
         block = e * n * h
     elif E:
-        block = e * (4 * n * h + 4 * n + (4 * n * h + H * n) // T) + e * (n * E + E) + n * k * (24 + e + 2 * h * e) \
-            + (k > 1) * n * (k + 1) * e + R * (16 + 9 * h * e)
+        block = e * (4 * n * h + 4 * n + (4 * n * h + H * n) // T) + e * n * E + n * k * (24 + e + 2 * h * e) \
+            + (k > 1) * n * (k + 1) * e
+        routed = (n * k * layers.count("block") if received is None else received) * (16 + 9 * h * e)
     else:
         block = e * (4 * n * h + 4 * n + (12 * n * h + H * n) // T)
     head = e * n * (2 * h + 2) + n * (e * model.vocab // T + 9)
-    return sum({"embedding": 9 * n + 8 * model.seq, "block": block, "head": head}[kind] for kind in layers)
+    return routed + sum({"embedding": 9 * n + 8 * model.seq, "block": block, "head": head}[kind] for kind in layers)
 
 
-def peak_activations(actions, per_chunk: list[int]) -> int:
+def gpt_forward_transient(model: Model, plan: Plan, layers: list[str]) -> int:
+    """Bytes a chunk's forward holds only until it returns: the E gate shares f_i that the (untrained) aux
+    loss saves live until their MoE layer returns, so they top the peak when a chunk ends in a MoE block."""
+    return (model.experts > 0 and not plan.checkpoint and layers[-1] == "block") * \
+        PRECISIONS[plan.precision][0] * model.experts
+
+
+def peak_activations(actions, cost, transient=lambda chunk: 0) -> int:
     """The most activation bytes alive at once on a rank running `actions` (a pipeline schedule's, see
-    mini_dist/pipeline_schedules.py): each forward of chunk c adds per_chunk[c] until the backward (or, split,
-    the weight gradient W) that frees them."""
+    mini_dist/pipeline_schedules.py): each forward of chunk c and microbatch m adds cost(c, m) until the
+    backward (or, split, the weight gradient W) that frees them, and holds transient(c) more while it runs."""
     alive = peak = 0
     for a in actions:
-        alive += per_chunk[a.chunk] * ((a.op == "forward") - (a.op in ("backward", "backward_weight")))
-        peak = max(peak, alive)
+        alive += cost(a.chunk, a.mb) * ((a.op == "forward") - (a.op in ("backward", "backward_weight")))
+        peak = max(peak, alive + (a.op == "forward") * transient(a.chunk))
     return peak
 
 
@@ -443,7 +451,11 @@ def demo(args) -> int:
     for stage, name in STAGES.items():
         w, g, o = model_state_bytes(n, k, stage, args.precision, args.optimizer)
         print(f"  {name:7s} {w:>14,} + {g:>14,} + {o:>14,} = {w + g + o:>15,} B  ({(w + g + o) / n:6.3f} B/param)")
-    return 0 if measured == predicted else 1
+    ok = measured == predicted
+    print(f"SUMMARY|cost_model|{'PASS' if ok else 'FAIL'} torch.optim after a step holds the formula's bytes|"
+          f"{'PASS' if ok else 'FAIL'} {sum(measured) / n:g} B/param ({args.precision} {args.optimizer}); FSDP over "
+          f"K = {k}: {sum(model_state_bytes(n, k, 3, args.precision, args.optimizer)) / n:.3f}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
