@@ -139,3 +139,14 @@ def test_nccl_without_gpus_is_one_line_saying_use_gloo():
         pytest.skip("this machine has CUDA: NCCL can run")
     result = run_sh("demo", "launch", "2", env={"MINI_DIST_BACKEND": "nccl"})
     assert result.returncode == 2 and "gloo" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_readme_lists_every_module_with_its_demo_and_line_count():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    for module in DEMOS + ["planner"]:
+        lines = sum(1 for _ in open(os.path.join(ROOT, "mini_dist", f"{module}.py")))
+        row = next((r for r in readme.splitlines() if r.startswith(f"| `{module}.py` |")), None)
+        assert row is not None, f"README's module table has no row for {module}.py"
+        assert row.split("|")[2].strip() == str(lines), f"README says {row.split('|')[2].strip()} lines for " \
+                                                         f"{module}.py, the file has {lines}"
+        assert f"demo {module}" in row, row
