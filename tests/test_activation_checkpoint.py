@@ -286,3 +286,32 @@ def test_a_checkpointed_tensor_parallel_block_equals_the_uncheckpointed_one_on_e
     """The recomputation repeats the block's forward all-reduces inside backward, on every rank of the
     group in the same order, and gets the same sums."""
     assert all(r for r in run(4, tp_block_grads, 12, 12, tp, seed)[:tp])
+
+
+def tp_block_all_reduces(h, heads, tp, checkpointed, seed):
+    """All-reduce calls and ring bytes one forward + backward of a tensor-parallel block issues on this rank."""
+    from mini_dist.comm import COUNTER
+    from mini_dist.parallel_transformer import ParallelTransformerBlock
+    group = subgroup(range(tp))
+    if dist.get_rank() >= tp:
+        return None
+    torch.manual_seed(seed)
+    block = ParallelTransformerBlock(h, heads, group=group, device=device(), dtype=torch.float64)
+    x = torch.randn(2, 5, h, generator=rank_generator(seed), dtype=torch.float64).to(device()).requires_grad_()
+    COUNTER.reset()
+    (checkpoint(block, x) if checkpointed else block(x)).square().sum().backward()
+    numel = x.numel()  # every all-reduce of the block is one [b, s, h] activation or its gradient
+    assert COUNTER.bytes["all_reduce"] == COUNTER.calls["all_reduce"] * numel * 8
+    return COUNTER.calls["all_reduce"], COUNTER.calls["all_reduce"] * 2 * (tp - 1) * -(-numel // tp) * 8
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_the_planners_tensor_parallel_traffic_with_recomputation_equals_the_counted_all_reduces(tp, checkpointed):
+    """Megatron's 4 all-reduces per layer (2 forward, 2 backward) become 6 when the block is recomputed: the
+    rerun forward repeats its 2 (Korthikanti et al. 2022). The planner's figure is the counted one."""
+    from mini_dist.cost_model import Model, Plan, tp_traffic
+    calls, sent = run(tp, tp_block_all_reduces, 12, 6, tp, checkpointed, 0)[0]
+    assert calls == (6 if checkpointed else 4)
+    plan = Plan(dp=1, tp=tp, micro_batch=2, microbatches=1, precision="fp64", checkpoint=checkpointed)
+    assert sent == tp_traffic(Model(params=1, layers=1, hidden=12, heads=6, seq=5), plan)
