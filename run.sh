@@ -68,6 +68,7 @@ setup() {
 launch() {
   local ranks=$1 cores err status=0
   shift
+  [ "$ranks" -ge 1 ] || { echo "./run.sh: the rank count must be at least 1, got $ranks" >&2; return 2; }
   # torchrun warns (once per run) and sets 1 thread per rank when OMP_NUM_THREADS is unset: share the
   # cores among the ranks ourselves
   cores=$(nproc)

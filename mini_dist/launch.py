@@ -162,7 +162,8 @@ def new_group(ranks) -> dist.ProcessGroup:
 
 
 def print0(*args, **kwargs) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    """Print on rank 0 only; before the process group exists, rank 0 is the one torchrun called 0."""
+    if (dist.get_rank() if dist.is_initialized() else env_rank()) == 0:
         print(*args, **kwargs, flush=True)
 
 
