@@ -121,6 +121,8 @@ def test_run_sh_unknown_flag_exits_2_and_unknown_module_names_the_modules():
     flag = run_sh("demo", "launch", "2", "--frobnicate")
     assert flag.returncode == 2 and "unrecognized arguments: --frobnicate" in flag.stderr
     assert len(flag.stderr.strip().splitlines()) <= 2
+    zero = run_sh("demo", "launch", "0")
+    assert zero.returncode == 2 and zero.stderr.strip() == "./run.sh: the rank count must be at least 1, got 0"
     missing = run_sh("demo", "nosuch")
     assert missing.returncode == 2 and "ring_allreduce" in missing.stderr
 
