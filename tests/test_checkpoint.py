@@ -72,6 +72,21 @@ def load_worker(path, spec, seed):
     return equal, stats, [b[:3] for name in want for b in boxes(want, name) if b[3].numel()]
 
 
+def gathered(state: dict) -> dict:
+    """{name: global tensor} of a checkpoint state, every rank's boxes put together (NaN where none is);
+    plain tensors and literals as this rank has them."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {n: [(o, d.detach().cpu()) for o, d in v.boxes]
+                                   for n, v in state.items() if isinstance(v, Sharded)})
+    whole = {n: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for n, v in state.items()}
+    for n, v in state.items():
+        if isinstance(v, Sharded):
+            whole[n] = torch.full(v.shape, float("nan")).to(v.dtype)
+            for o, d in (b for part in parts for b in part[n]):
+                whole[n][tuple(slice(a, a + m) for a, m in zip(o, d.shape))] = d
+    return whole
+
+
 def boxes(state, name) -> list:
     """(name, offsets, lengths, data) of each box of state[name]; a plain tensor is one whole box."""
     v = state[name]
@@ -275,16 +290,8 @@ def dcp_worker(kind, mine, theirs, seed, shapes):
         return None
     checkpoint.load(ours, mine)
     dcp.load(native, checkpoint_id=theirs)
-    rebuilt = {}
-    for n, t in full.items():  # every rank's columns put back together, beside DCP's full tensor
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, [(o, d.cpu()) for o, d in ours[n].boxes] if isinstance(ours[n], Sharded)
-                               else [((0,) * t.dim(), ours[n].cpu())])
-        whole = torch.full(t.shape, float("nan"), dtype=t.dtype)
-        for o, d in (b for part in parts for b in part):
-            whole[tuple(slice(a, a + m) for a, m in zip(o, d.shape))] = d
-        rebuilt[n] = (whole, native[n].full_tensor().cpu(), t.cpu())
-    return rebuilt
+    whole = gathered(ours)  # every rank's columns put back together, beside DCP's full tensor
+    return {n: (whole[n], native[n].full_tensor().cpu(), t.cpu()) for n, t in full.items()}
 
 
 @settings(max_examples=4)
@@ -316,5 +323,93 @@ def test_the_manifest_records_each_box_with_the_crc32_of_its_bytes():
                 assert zlib.crc32(f.read(piece["nbytes"])) == piece["crc32"]
         assert manifest["objects"]["run"] == repr({"epoch": 3, "lr": 0.1, "names": ("a", "b"), "losses": [1.5, 0.25]})
         assert sorted(manifest["files"]) == ["rank_00000.bin", "rank_00001.bin"]
+    finally:
+        shutil.rmtree(path)
+
+
+# ----------------------------------------------------------------------------- resuming training
+
+ROWS, BEFORE, AFTER = 60, 2, 2  # 60 rows a step: every world size 1..5 takes an equal share of one batch
+
+
+def batch(t: int):
+    """This rank's share of step t's global batch: the same global batch at any world size."""
+    x = torch.randn(ROWS, 5, generator=torch.Generator().manual_seed(100 + t), dtype=torch.float64)
+    n = ROWS // dist.get_world_size()
+    mine = x[dist.get_rank() * n:(dist.get_rank() + 1) * n].to(device())
+    return mine, torch.sin(3 * mine).sum(1, keepdim=True)
+
+
+def trainer(kind: str, stage: int):
+    """(train steps [a, b), the checkpoint state, load from a path) of one fp64 MLP of N = 50 parameters,
+    sharded with a ZeroOptimizer of `stage` or with FSDP, Adam either way."""
+    from mini_dist import reshard
+    from mini_dist.fsdp import FullyShardedDataParallel
+    from mini_dist.zero import ZeroOptimizer
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2)).to(
+        device(), torch.float64)
+    if kind == "zero":
+        optimizer = ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage=stage, lr=0.05)
+        state, load = (lambda: reshard.zero_state(optimizer)), (lambda p: reshard.load_zero_state(p, optimizer))
+    else:
+        model = FullyShardedDataParallel(model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+        state = lambda: reshard.module_state(reshard.fsdp_layout(model), optimizer)  # noqa: E731
+        load = lambda p: reshard.load_module_state(p, reshard.fsdp_layout(model), optimizer)  # noqa: E731
+
+    def train(a: int, b: int) -> list:
+        losses = []
+        for t in range(a, b):
+            x, y = batch(t)
+            loss = ((model(x) - y) ** 2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+        return losses
+    return train, state, load
+
+
+def train_and_save(kind, path):
+    train, state, _ = trainer(kind, stage=1)
+    train(0, BEFORE)
+    checkpoint.save(state(), path)
+    return gathered(state())
+
+
+def resume_beside_uninterrupted(kind, path):
+    train, state, load = trainer(kind, stage=2)
+    load(path)
+    loaded = gathered(state())
+    train(BEFORE, BEFORE + AFTER)
+    train_through, uninterrupted_state, _ = trainer(kind, stage=2)
+    train_through(0, BEFORE + AFTER)
+    return loaded, gathered(state()), gathered(uninterrupted_state())
+
+
+@settings(max_examples=6)
+@given(world=st.integers(1, 5), world_after=st.integers(1, 5), kind=st.sampled_from(["zero", "fsdp"]))
+def test_zero_and_fsdp_training_resumed_at_k_prime_equals_uninterrupted_training_at_k_prime(
+        kind, world, world_after):
+    """Saved by ZeRO-1 (or FSDP) at K after 2 Adam steps, loaded by ZeRO-2 (or FSDP) at K': the state is
+    what was saved, bit for bit, and 2 more steps give what 4 steps at K' from the same start give. Only
+    the first 2 steps' gradient sums ran in another order (K vs K' terms): fp64 rounding, ~1e-16
+    relative, which Adam's update m / sqrt(v) keeps at that size; at K' = K the runs are equal."""
+    path = tempfile.mkdtemp(prefix="test_checkpoint_")
+    try:
+        saved = run(world, train_and_save, kind, path)[0]
+        for loaded, resumed, uninterrupted in run(world_after, resume_beside_uninterrupted, kind, path):
+            assert loaded.keys() == saved.keys() == resumed.keys() == uninterrupted.keys()
+            for name, value in saved.items():
+                same = torch.equal if isinstance(value, torch.Tensor) else (lambda a, b: a == b)
+                assert same(loaded[name], value), name
+                if not isinstance(value, torch.Tensor):
+                    continue
+                assert not torch.equal(resumed[name], value), f"{name}: no step after the load changed it"
+                if world == world_after:
+                    assert torch.equal(resumed[name], uninterrupted[name]), name
+                else:
+                    torch.testing.assert_close(resumed[name], uninterrupted[name], rtol=0, atol=1e-14)
     finally:
         shutil.rmtree(path)
