@@ -210,7 +210,8 @@ def demo(args) -> int:
     _, naive_losses, _ = train(args, None, newest, remember=False)  # first: the resumed run prunes `newest`
     resumed, resumed_losses, start = train(args, where[0], newest)
     reference, losses, _ = train(args)
-    launch.print0(f"restarted{' by torchrun' if restarts else ''}: resumed from "
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    launch.print0(f"restarted{f' by torchrun (restart {attempt} of {restarts})' if restarts else ''}: resumed from "
                   f"{'step ' + str(start) if newest else 'the start (no complete checkpoint yet)'}, "
                   f"{args.kill_at - 1 - start} steps lost\n step  uninterrupted  resumed  naive restart (fresh RNG, "
                   f"epoch started over)")

@@ -1,10 +1,15 @@
 """The sharded checkpoint format (mini_dist/checkpoint.py): saved at K ranks, loaded at K' in any layout,
 bit for bit; a save that dies leaves no checkpoint; corruption, disagreement and overlap refused; DCP.
+Then training (mini_dist/reshard.py, recovery.py): ZeRO and FSDP resumed at K' go on as if never stopped;
+a rank killed under torchrun --max-restarts=1 costs nothing but time; the newest N checkpoints are kept.
 
-Every comparison is torch.equal: a checkpoint moves bytes, so anything short of identical bits is a bug.
+Every comparison of saved and loaded state is torch.equal: a checkpoint moves bytes, so anything short of
+identical bits is a bug. Only training on after a change of world size may differ, by fp64 rounding.
 """
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import zlib
 
@@ -413,3 +418,49 @@ def test_zero_and_fsdp_training_resumed_at_k_prime_equals_uninterrupted_training
                     torch.testing.assert_close(resumed[name], uninterrupted[name], rtol=0, atol=1e-14)
     finally:
         shutil.rmtree(path)
+
+
+# ----------------------------------------------------------------------------- recovery
+
+def test_keep_last_n_deletes_the_complete_checkpoints_older_than_the_newest_n_and_no_newer_save(tmp_path):
+    for step, complete in [(1, True), (2, False), (3, True), (4, True), (5, True), (6, False)]:
+        os.makedirs(tmp_path / f"step_{step:08d}")
+        if complete:
+            (tmp_path / f"step_{step:08d}" / checkpoint.MANIFEST).write_text("{}")
+    recovery.prune(str(tmp_path), keep=2)
+    # a save that died before step 4 goes too; step 6, without a manifest yet, may be a save in progress
+    assert sorted(os.listdir(tmp_path)) == ["step_00000004", "step_00000005", "step_00000006"]
+    assert recovery.complete(str(tmp_path)) == [(s, str(tmp_path / f"step_{s:08d}")) for s in (4, 5)]
+
+
+RECOVERY = ["--steps", "6", "--every", "2", "--keep", "2", "--kill-at", "5", "--samples", "16", "--batch", "2",
+            "--width", "4"]
+
+
+def final_beside_uninterrupted(directory, argv):
+    """The newest checkpoint the restarted run left (loaded by a run at its last step: nothing to train)
+    beside a run that was never stopped, computed here."""
+    args = recovery.parser().parse_args(argv)
+    resumed, resumed_losses, start = recovery.train(args, resume_from=recovery.complete(directory)[-1][1])
+    uninterrupted, losses, _ = recovery.train(args)
+    same = len(resumed) == len(uninterrupted) and all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted))
+    return start, same, resumed_losses == losses
+
+
+def test_a_rank_killed_mid_training_and_restarted_by_torchrun_ends_with_the_uninterrupted_runs_parameters():
+    """2 ranks under torchrun --max-restarts=1: rank 1 calls os._exit before step 5, torchrun starts the
+    group again, which resumes from step 4's checkpoint and saves step 6's (--standalone: a free port)."""
+    directory = tempfile.mkdtemp(prefix="test_checkpoint_")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    try:
+        result = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+                                 "--monitor-interval=0.1", recovery.__file__, *RECOVERY, "--dir", directory],
+                                capture_output=True, text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+        assert "restarted by torchrun (restart 1 of 1): resumed from step 4" in result.stdout, result.stdout
+        assert sorted(os.listdir(directory)) == ["step_00000004", "step_00000006"]  # --keep 2
+        for start, same_parameters, same_losses in run(2, final_beside_uninterrupted, directory, RECOVERY):
+            assert start == 6 and same_parameters and same_losses
+    finally:
+        shutil.rmtree(directory)
