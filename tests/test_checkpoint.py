@@ -420,6 +420,38 @@ def test_zero_and_fsdp_training_resumed_at_k_prime_equals_uninterrupted_training
         shutil.rmtree(path)
 
 
+def tensor_parallel_state(path, seed, save):
+    """Megatron's MLP (column- then row-parallel, width 5, hidden 12) at T = this world size after one Adam
+    step: its parameters and Adam state saved to `path`, or loaded from it into a model built otherwise."""
+    from mini_dist.reshard import load_module_state, module_layout, module_state
+    from mini_dist.tensor_parallel import ParallelMLP
+    torch.manual_seed(seed)
+    model = ParallelMLP(5, 12, device=device(), dtype=torch.float64)
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    (model(torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).to(device()))
+     ** 2).sum().backward()
+    adam.step()
+    if save:
+        checkpoint.save(module_state(module_layout(model), adam), path)
+    else:
+        load_module_state(path, module_layout(model), adam)
+    return gathered(module_state(module_layout(model), adam))
+
+
+@pytest.mark.parametrize("world, world_after", [(2, 1), (1, 3), (4, 2)])
+def test_tensor_parallel_state_saved_at_t_loads_at_t_prime_bit_for_bit(world, world_after):
+    path = tempfile.mkdtemp(prefix="test_checkpoint_")
+    try:
+        saved = run(world, tensor_parallel_state, path, 0, True)[0]
+        for loaded in run(world_after, tensor_parallel_state, path, 1, False):
+            assert loaded.keys() == saved.keys() and any(k.endswith("exp_avg_sq") for k in saved)
+            for name, value in saved.items():
+                assert torch.equal(loaded[name], value) if isinstance(value, torch.Tensor) else \
+                    loaded[name] == value, name
+    finally:
+        shutil.rmtree(path)
+
+
 # ----------------------------------------------------------------------------- recovery
 
 def test_keep_last_n_deletes_the_complete_checkpoints_older_than_the_newest_n_and_no_newer_save(tmp_path):
