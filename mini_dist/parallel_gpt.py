@@ -154,6 +154,12 @@ class ContextParallelAttention(ParallelAttention):
         return self.out_proj(out.transpose(1, 2).flatten(2))
 
 
+def drop_aux_graph(moe, inputs, output):
+    """The auxiliary loss is not trained here: free its graph now, not when the layer's next call replaces it
+    (with several microbatches in flight, the last one's would stay alive beside theirs)."""
+    moe.aux_loss = moe.aux_loss.detach()
+
+
 def tiny_gpt(cfg: Config, mesh: Mesh | None = None, device=None) -> nn.Sequential:
     """The model, written once. mesh=None: dense, PyTorch's layers; else mini_dist's over the mesh's tp, cp
     and ep groups, with the same parameter names. A flat nn.Sequential, so that a pipeline can cut it."""
@@ -172,6 +178,7 @@ def tiny_gpt(cfg: Config, mesh: Mesh | None = None, device=None) -> nn.Sequentia
         if cfg.experts:
             block.mlp = MoE(h, 4 * h, cfg.experts, cfg.top_k, **kw) if mesh is None else \
                 ExpertParallelMoE(h, 4 * h, cfg.experts, cfg.top_k, group=mesh.ep_group, **kw)
+            block.mlp.register_forward_hook(drop_aux_graph)
         if mesh is not None and cp is not None:
             block.attn = ContextParallelAttention(h, cfg.heads, cp, group=tp, **kw)
         if mesh is not None and cfg.checkpoint:

@@ -38,6 +38,7 @@ Mirrors torchtitan's composition (FSDP/DDP + TP + PP + context_parallel + expert
 and Megatron-LM's 3D parallelism with context and expert parallelism.
 """
 import sys
+import weakref
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -45,7 +46,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -94,34 +94,44 @@ def configuration_error(cfg: Config, grid, microbatches: int, schedule: str, chu
         return str(e)
 
 
+class Saved:
+    """What autograd keeps in place of a saved tensor: while it lives, the graph still holds the tensor."""
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
 class PeakSaved:
-    """The most bytes autograd holds for backward at once, parameters excluded. Each storage a
-    saved_tensors_hooks pack sees is noted with a weak reference; bytes only grow at a pack, so the
-    peak is measured there. `parameters()` gives the parameter storages' addresses at that moment."""
+    """The most bytes autograd holds for backward at once, parameters excluded: each distinct storage once,
+    for as long as a graph holds a tensor of it (weak references to the Saved handles the pack hook gives
+    autograd; a storage that lives on elsewhere, say a chunk's output kept for its backward, no longer
+    counts once its graph is gone). Bytes only grow at a pack, so the peak is taken there.
+    `parameters()` gives the parameter storages' addresses at that moment."""
 
     def __init__(self, parameters):
-        self.parameters, self.alive, self.peak = parameters, {}, 0
+        self.parameters, self.held, self.peak = parameters, {}, 0  # storage address -> (bytes, handles)
 
     def pack(self, t):
-        storage = t.untyped_storage()
-        ptr, known = storage.data_ptr(), self.alive.get(storage.data_ptr())
-        if ptr not in self.parameters() and (known is None or known[0].expired()):
-            self.alive = {p: (ref, n) for p, (ref, n) in self.alive.items() if not ref.expired()}
-            self.alive[ptr] = (StorageWeakRef(storage), storage.nbytes())
-            self.peak = max(self.peak, sum(n for _, n in self.alive.values()))
-        return t
+        saved, storage = Saved(t), t.untyped_storage()
+        if storage.data_ptr() not in self.parameters():
+            self.held = {p: (n, live) for p, (n, refs) in self.held.items() if (live := [r for r in refs if r()])}
+            n, refs = self.held.get(storage.data_ptr(), (storage.nbytes(), []))
+            self.held[storage.data_ptr()] = (n, refs + [weakref.ref(saved)])
+            self.peak = max(self.peak, sum(n for n, _ in self.held.values()))
+        return saved
 
     def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda saved: saved.tensor)
 
 
 @dataclass
 class Run:
     """What one rank measured: the global loss per step (the same on every rank), its bytes per axis per step,
-    the off-rank rows its MoE layers moved, its memory by category, and what the predictions need."""
+    the rows its MoE layers routed, its memory by category, and what the predictions need."""
     losses: list
     bytes: list          # per step: {"dp": .., "pp": .., "cp": .., "tp": .., "ep": ..}
-    rows_off: list       # per step: rows its MoE layers sent to / received from other ranks, all forwards
+    routed: list         # its last step's Trainer.routed: per chunk, per MoE block forward, (off-rank, received)
     memory: dict         # params, grads, state (after the last step), activations (peak of the last step)
     layout: list         # its chunks' layers, e.g. [["embedding", "block"], ["block", "head"]]
     stages: list         # the virtual stage of each chunk
@@ -146,7 +156,6 @@ class Trainer:
         costs = [1 + sum(p.numel() for p in layer.parameters()) for layer in dense_model(cfg)]
         self.chunks = pipeline_chunks(parallel_model(cfg, mesh), mesh.pp_group, chunks, balanced_split(costs, P * chunks))
         self.plan = SCHEDULES[schedule](P, microbatches, chunks)
-        self.moe = [m for c in self.chunks for m in c.modules() if isinstance(m, ExpertParallelMoE)]
         experts = [(n, p) for c in self.chunks for n, p in c.named_parameters() if grid.ep > 1 and is_expert(p)]
         dense = [[(n, p) for n, p in c.named_parameters() if not (grid.ep > 1 and is_expert(p))] for c in self.chunks]
         self.stage, self.no_sync, self.optimizers, self.fsdp = self.chunks, None, [], []
@@ -166,13 +175,16 @@ class Trainer:
         if experts:  # ZeRO at the same stage (0: plain data parallelism) over the ranks with the same experts
             self.optimizers.append(ZeroOptimizer(experts, torch.optim.Adam, stage=min(zero, 2), group=mesh.edp_group,
                                                  collectives="ring", lr=cfg.lr))
-        self.rows = [0]
-        for m in self.moe:  # off-rank rows of each forward (a recomputation moves the same ones again)
-            m.register_forward_hook(lambda m, *_: self.rows.__setitem__(0, self.rows[0] + self.off_rank(m)))
+        # per chunk, one entry per forward of each MoE block: (rows it sent to or received from other ranks,
+        # rows its experts received). A block's hook runs once per forward, never in its recomputation
+        self.routed = [[] for _ in self.chunks]
+        for c, chunk in enumerate(self.chunks):
+            for block in (b for b in chunk if isinstance(getattr(b, "mlp", None), ExpertParallelMoE)):
+                block.register_forward_hook(lambda b, *_, c=c: self.routed[c].append(self.routing(b.mlp)))
 
-    def off_rank(self, moe) -> int:
+    def routing(self, moe) -> tuple[int, int]:
         me = self.mesh.coords["ep_index"]
-        return sum(moe.sent) - moe.sent[me] + sum(moe.received) - moe.received[me]
+        return sum(moe.sent) - moe.sent[me] + sum(moe.received) - moe.received[me], sum(moe.received)
 
     def parameter_storages(self) -> set:
         """Where the weights live now: the parameters, and FSDP's gathered buffers (reallocated each gather)."""
@@ -198,8 +210,9 @@ class Trainer:
         total = dict.fromkeys(("params", "grads", "state"), 0)
         params = [p for c in self.stage for p in c.parameters() if not (self.experts and is_expert(p))]
         for optimizer, group in zip(self.optimizers, (params, self.experts)):
-            for key, value in memory_ledger(group, optimizer).items():
-                total[key] = total.get(key, 0) + value * (key != "scalars")
+            ledger = memory_ledger(group, optimizer)  # its 'scalars' (Adam's step counts) are left out
+            for key in total:
+                total[key] += ledger[key]
         return total
 
 
@@ -207,18 +220,18 @@ def train_5d(cfg: Config, mesh: Mesh, steps: int, microbatches: int = 1, schedul
              chunks: int = 1) -> Run:
     trainer = Trainer(cfg, mesh, microbatches, schedule, zero, chunks)
     grid, last = mesh.grid, mesh.pp_rank == mesh.grid.pp - 1
-    losses, sent, rows = [], [], []
+    losses, sent = [], []
     for step in range(steps):
         COUNTER.reset()
         LEDGER.reset()
         for f in trainer.fsdp:
             f.ledger.reset()
-        trainer.rows[0] = 0
+        for routed in trainer.routed:
+            routed.clear()
         loss, stats, peak = trainer.step(step)
         dp = sum(f.ledger.sent for f in trainer.fsdp) if trainer.fsdp else LEDGER.sent
         sent.append({"dp": dp, "pp": stats.bytes_sent, "cp": COUNTER.bytes["ring"], "tp": COUNTER.bytes["all_reduce"],
                      "ep": COUNTER.bytes["all_to_all"]})
-        rows.append(trainer.rows[0])
         memory = {**trainer.memory(), "activations": peak}
         for optimizer in trainer.optimizers:
             optimizer.zero_grad()
@@ -229,28 +242,33 @@ def train_5d(cfg: Config, mesh: Mesh, steps: int, microbatches: int = 1, schedul
         losses.append(mine.item())
     layout = [[kind(layer) for layer in c] for c in trainer.chunks]
     stages = [c * grid.pp + mesh.pp_rank for c in range(chunks)]
-    return Run(losses, sent, rows, memory, layout, stages, cfg.batch // grid.dp, stats.peak_live)
+    return Run(losses, sent, trainer.routed, memory, layout, stages, cfg.batch // grid.dp, stats.peak_live)
 
 
 def predictions(run: Run, cfg: Config, mesh: Mesh, microbatches: int, schedule: str, zero: int) -> tuple[dict, dict]:
     """The planner's bytes per axis (per step) and memory by category for this rank (mini_dist/cost_model.py),
-    from its layers, its coordinates and the off-rank rows its MoE layers routed in the last step."""
+    from its layers, its coordinates and the rows its MoE layers routed in the last step."""
     grid, model = mesh.grid, cfg.model()
     plan = cost_model.Plan(dp=grid.dp, pp=grid.pp, cp=grid.cp, tp=grid.tp, ep=grid.ep, zero=zero,
                            checkpoint=cfg.checkpoint, micro_batch=run.local_batch // microbatches,
                            microbatches=microbatches, precision="fp64")
     layers = [k for c in run.layout for k in c]
     inside = cost_model.gpt_step_traffic(model, plan, layers.count("block"), "embedding" in layers,
-                                         "head" in layers, run.rows_off[-1])
+                                         "head" in layers, sum(off for c in run.routed for off, _ in c))
     S, n = grid.pp * len(run.stages), plan.micro_batch * cfg.seq // grid.cp
     act = microbatches * n * cfg.hidden * 8  # one activation [b, s/C, h] per microbatch, fp64
     pp = (grid.pp > 1) * sum(act * ((j < S - 1) + (j > 0)) + 8 * HEADER_LEN * (j < S - 1) for j in run.stages)
     traffic = {"dp": cost_model.gpt_dp_traffic(model, plan, layers), "pp": pp, **inside}
     f = mesh.coords["ep_index"] + grid.ep * mesh.coords["ep_replica"]  # the rank's place in dp x cp
     memory = cost_model.gpt_rank_memory(model, plan, layers, f)
-    per_chunk = [cost_model.gpt_activation_bytes(model, plan, c) for c in run.layout]
-    memory["activations"] = cost_model.peak_activations(SCHEDULES[schedule](grid.pp, microbatches, len(run.stages))
-                                                        .actions[mesh.pp_rank], per_chunk)
+    actions = SCHEDULES[schedule](grid.pp, microbatches, len(run.stages)).actions[mesh.pp_rank]
+    received = {}  # (chunk, microbatch): rows its experts received; a chunk's forwards run in schedule order
+    for c, routed in enumerate(run.routed):
+        forwards, k = [a.mb for a in actions if a.op == "forward" and a.chunk == c], len(routed) // microbatches
+        received.update({(c, m): sum(rows for _, rows in routed[i * k:(i + 1) * k]) for i, m in enumerate(forwards)})
+    memory["activations"] = cost_model.peak_activations(
+        actions, lambda c, m: cost_model.gpt_activation_bytes(model, plan, run.layout[c], received[c, m]),
+        lambda c: cost_model.gpt_forward_transient(model, plan, run.layout[c]))
     return traffic, memory
 
 
