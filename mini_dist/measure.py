@@ -3,7 +3,8 @@
 Activation memory is what autograd keeps from forward for backward. `SavedTensors` counts it exactly with
 torch.autograd.graph.saved_tensors_hooks, which sees every tensor an autograd function saves, on any
 device: each distinct storage counts once (views of one buffer share it), and parameters are left out
-(they live on whether or not backward needs them). `LiveActivations` follows those bytes over time: the
+(they live on whether or not backward needs them). `PeakSaved` keeps the most of them held at once, as
+microbatches come and go in a pipeline. `LiveActivations` follows those bytes over time: the
 activation storages alive after every op of forward and backward (where recomputation brings some back).
 
 The peak of a whole step is the allocator's: on CUDA, torch.cuda.max_memory_allocated; on the CPU, which
@@ -19,6 +20,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -51,6 +53,39 @@ class SavedTensors:
     @property
     def bytes(self) -> int:
         return sum(self.storages.values())
+
+
+class Saved:
+    """What autograd keeps in place of a saved tensor: while it lives, the graph still holds the tensor."""
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class PeakSaved:
+    """saved = PeakSaved(lambda: parameter_addresses); with saved.hooks(): step()   ->  saved.peak
+
+    The most bytes autograd holds for backward at once, parameters excluded: each distinct storage once,
+    for as long as a graph holds a tensor of it (weak references to the Saved handles the pack hook gives
+    autograd; a storage that lives on elsewhere, say a chunk's output kept for its backward, no longer
+    counts once its graph is gone). Bytes only grow at a pack, so the peak is taken there.
+    `parameters()` gives the parameter storages' addresses at that moment."""
+
+    def __init__(self, parameters):
+        self.parameters, self.held, self.peak = parameters, {}, 0  # storage address -> (bytes, handles)
+
+    def pack(self, t):
+        saved, storage = Saved(t), t.untyped_storage()
+        if storage.data_ptr() not in self.parameters():
+            self.held = {p: (n, live) for p, (n, refs) in self.held.items() if (live := [r for r in refs if r()])}
+            n, refs = self.held.get(storage.data_ptr(), (storage.nbytes(), []))
+            self.held[storage.data_ptr()] = (n, refs + [weakref.ref(saved)])
+            self.peak = max(self.peak, sum(n for n, _ in self.held.values()))
+        return saved
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda saved: saved.tensor)
 
 
 class LiveActivations(TorchDispatchMode):

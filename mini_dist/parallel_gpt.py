@@ -51,8 +51,9 @@ from mini_dist import expert_parallel, launch, tensor_parallel  # noqa: E402
 from mini_dist.activation_checkpoint import checkpoint_module  # noqa: E402
 from mini_dist.comm import COUNTER, all_reduce  # noqa: E402
 from mini_dist.context_parallel import ring_attention  # noqa: E402
-from mini_dist.cost_model import Model, Plan, gpt_step_traffic  # noqa: E402
+from mini_dist.cost_model import Model, Plan, gpt_activation_bytes, gpt_layer_numel, gpt_step_traffic  # noqa: E402
 from mini_dist.expert_parallel import MoE, ExpertParallelMoE  # noqa: E402
+from mini_dist.measure import PeakSaved  # noqa: E402
 from mini_dist.mesh import Mesh, grid_for  # noqa: E402
 from mini_dist.parallel_transformer import ParallelAttention, ParallelTransformerBlock, TransformerBlock  # noqa: E402
 from mini_dist.sequence_layout import split_sequence  # noqa: E402
@@ -251,6 +252,17 @@ def average_gradients(model, mesh: Mesh) -> None:
         p.grad = all_reduce(p.grad, mesh.edp_group if is_expert(p) else mesh.dp_cp_group) / n
 
 
+def kind(layer) -> str:
+    """The cost model's name for a layer of the flat model."""
+    return "embedding" if isinstance(layer, Embedding) else "head" if isinstance(layer, Head) else "block"
+
+
+def routed_rows(moe, me: int) -> tuple[int, int]:
+    """(rows an ExpertParallelMoE sent to or received from other ranks, rows its experts received) in its
+    last call, me = this rank's index in its expert group: what the EP bytes and the expert activations cost."""
+    return sum(moe.sent) - moe.sent[me] + sum(moe.received) - moe.received[me], sum(moe.received)
+
+
 # ----- demo: one forward + backward against the dense model -----
 
 def parser():
@@ -285,8 +297,7 @@ def configuration_error(cfg: Config, grid) -> str | None:
 
 
 def demo(args) -> int:
-    world = launch.env_world_size()
-    grid = grid_for(world, dp=1, pp=1, cp=args.cp, tp=args.tp, ep=args.ep)
+    grid = grid_for(launch.env_world_size(), dp=1, pp=1, cp=args.cp, tp=args.tp, ep=args.ep)
     cfg = Config(vocab=padded_vocab(grid.tp), layers=args.layers, hidden=args.hidden, heads=args.heads,
                  seq=args.seq, batch=2, experts=args.moe, checkpoint=args.checkpoint)
     problem = configuration_error(cfg, grid)
@@ -296,11 +307,15 @@ def demo(args) -> int:
     model, dense = parallel_model(cfg, mesh), dense_model(cfg)
     ids, targets = local_batch(cfg, mesh, 0)
     COUNTER.reset()
-    loss = loss_fn(mesh.tp_group)(model(ids), targets)
+    saved = PeakSaved(lambda: {p.untyped_storage().data_ptr() for p in model.parameters()})
+    with saved.hooks():
+        loss = loss_fn(mesh.tp_group)(model(ids), targets)
     loss.backward()
     sent = {"tp": COUNTER.bytes["all_reduce"], "cp": COUNTER.bytes["ring"], "ep": COUNTER.bytes["all_to_all"]}
-    rows = [sum(m.sent) - m.sent[mesh.coords["ep_index"]] + sum(m.received) - m.received[mesh.coords["ep_index"]]
-            for m in model.modules() if isinstance(m, ExpertParallelMoE)]  # off-rank rows, each MoE block
+    moe = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+    off, received = (sum(r) for r in zip((0, 0), *(routed_rows(m, mesh.coords["ep_index"]) for m in moe)))
+    held = {"params": sum(8 * p.numel() for p in model.parameters()),
+            "grads": sum(8 * p.grad.numel() for p in model.parameters()), "activations": saved.peak}
     whole = F.cross_entropy(dense(get_batch(cfg, 0)[0]).flatten(0, 1), get_batch(cfg, 0)[1].flatten())
     whole.backward()
     mean_loss = all_reduce(loss.detach(), mesh.dp_cp_group) / grid.cp
@@ -309,19 +324,33 @@ def demo(args) -> int:
     diffs = [(mean_loss - whole).abs()] + [(p.grad - q.grad).abs().max() for p, q in
                                            zip(gathered.parameters(), dense.parameters())]
     worst = max(d.item() for d in diffs)
-    want = gpt_step_traffic(cfg.model(), Plan(dp=1, cp=grid.cp, tp=grid.tp, ep=grid.ep, checkpoint=cfg.checkpoint,
-                                              micro_batch=cfg.batch, precision="fp64"),
-                            blocks=cfg.layers, embedding=True, head=True, rows_off=sum(rows))
+    plan = Plan(dp=1, cp=grid.cp, tp=grid.tp, ep=grid.ep, checkpoint=cfg.checkpoint, micro_batch=cfg.batch,
+                precision="fp64")
+    layers = [kind(layer) for layer in model]
+    numel = sum(sum(gpt_layer_numel(cfg.model(), plan, k)) for k in layers)
+    planned = {"params": 8 * numel, "grads": 8 * numel,
+               "activations": gpt_activation_bytes(cfg.model(), plan, layers, received)}
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, (sent, gpt_step_traffic(cfg.model(), plan, cfg.layers, True, True, off), held, planned))
     launch.print0(f"tiny GPT: {cfg.layers} blocks, h={cfg.hidden}, {cfg.heads} heads, s={cfg.seq}, batch 2, "
                   f"{f'MoE {cfg.experts} experts top-{cfg.top_k}' if cfg.experts else 'MLP'}"
                   f"{', checkpointed blocks' if cfg.checkpoint else ''}; cp {grid.cp} x tp {grid.tp}, ep {grid.ep}, "
                   f"fp64\n|loss - dense| and max |grad - dense| over every weight: {worst:.1e}\n"
-                  f"bytes rank 0 moved, forward + backward, beside the formulas of the docstring:")
-    for axis in sent:
-        launch.print0(f"  {axis.upper()}  {sent[axis]:>9,}  = {want[axis]:>9,}")
-    exact = all(sent[a] == want[a] for a in sent)
+                  f"bytes each rank moved, forward + backward: measured = the docstring's formulas\n"
+                  + table([r[:2] for r in rows], ("tp", "cp", "ep")) + "\nmemory per rank, bytes: measured = planner "
+                  "(mini_dist/cost_model.py)\n" + table([r[2:] for r in rows], ("params", "grads", "activations")))
+    exact = all(a == b for r in rows for a, b in (r[:2], r[2:]))
     return launch.conclude("parallel_gpt", worst < 1e-12, f"= dense GPT ({worst:.0e})", exact,
-                           "bytes per axis = formulas")
+                           "bytes per axis = formulas, memory = planner")
+
+
+def table(rows, keys) -> str:
+    """One line per rank: measured = predicted (!= where they differ), for each key of (measured, predicted)."""
+    lines = ["  rank " + "".join(f"{k:>24}" for k in keys)]
+    for r, (got, want) in enumerate(rows):
+        cells = [f"{float(got[k]):,.0f}{' = ' if got[k] == want[k] else ' != '}{float(want[k]):,.0f}" for k in keys]
+        lines.append(f"  {r:>4} " + "".join(f"{c:>24}" for c in cells))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ Mirrors torchtitan's composition (FSDP/DDP + TP + PP + context_parallel + expert
 and Megatron-LM's 3D parallelism with context and expert parallelism.
 """
 import sys
-import weakref
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -54,9 +53,10 @@ from mini_dist.comm import COUNTER  # noqa: E402
 from mini_dist.ddp import DistributedDataParallel  # noqa: E402
 from mini_dist.expert_parallel import ExpertParallelMoE  # noqa: E402
 from mini_dist.fsdp import FullyShardedDataParallel  # noqa: E402
+from mini_dist.measure import PeakSaved  # noqa: E402
 from mini_dist.mesh import Mesh, grid_for  # noqa: E402
-from mini_dist.parallel_gpt import (Config, Embedding, Head, dense_model, is_expert, local_batch, loss_fn,  # noqa: E402
-                                    padded_vocab, parallel_model, train_dense)
+from mini_dist.parallel_gpt import (Config, dense_model, is_expert, kind, local_batch, loss_fn,  # noqa: E402
+                                    padded_vocab, parallel_model, routed_rows, table, train_dense)
 from mini_dist.parallel_gpt import configuration_error as model_error  # noqa: E402
 from mini_dist.pipeline import HEADER_LEN, pipeline_step  # noqa: E402
 from mini_dist.pipeline_schedules import SCHEDULES, balanced_split, pipeline_chunks  # noqa: E402
@@ -94,37 +94,6 @@ def configuration_error(cfg: Config, grid, microbatches: int, schedule: str, chu
         return str(e)
 
 
-class Saved:
-    """What autograd keeps in place of a saved tensor: while it lives, the graph still holds the tensor."""
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
-class PeakSaved:
-    """The most bytes autograd holds for backward at once, parameters excluded: each distinct storage once,
-    for as long as a graph holds a tensor of it (weak references to the Saved handles the pack hook gives
-    autograd; a storage that lives on elsewhere, say a chunk's output kept for its backward, no longer
-    counts once its graph is gone). Bytes only grow at a pack, so the peak is taken there.
-    `parameters()` gives the parameter storages' addresses at that moment."""
-
-    def __init__(self, parameters):
-        self.parameters, self.held, self.peak = parameters, {}, 0  # storage address -> (bytes, handles)
-
-    def pack(self, t):
-        saved, storage = Saved(t), t.untyped_storage()
-        if storage.data_ptr() not in self.parameters():
-            self.held = {p: (n, live) for p, (n, refs) in self.held.items() if (live := [r for r in refs if r()])}
-            n, refs = self.held.get(storage.data_ptr(), (storage.nbytes(), []))
-            self.held[storage.data_ptr()] = (n, refs + [weakref.ref(saved)])
-            self.peak = max(self.peak, sum(n for n, _ in self.held.values()))
-        return saved
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda saved: saved.tensor)
-
-
 @dataclass
 class Run:
     """What one rank measured: the global loss per step (the same on every rank), its bytes per axis per step,
@@ -137,10 +106,6 @@ class Run:
     stages: list         # the virtual stage of each chunk
     local_batch: int
     peak_live: int       # most microbatches x chunks whose activations this rank held at once
-
-
-def kind(layer) -> str:
-    return "embedding" if isinstance(layer, Embedding) else "head" if isinstance(layer, Head) else "block"
 
 
 class Trainer:
@@ -177,14 +142,10 @@ class Trainer:
                                                  collectives="ring", lr=cfg.lr))
         # per chunk, one entry per forward of each MoE block: (rows it sent to or received from other ranks,
         # rows its experts received). A block's hook runs once per forward, never in its recomputation
-        self.routed = [[] for _ in self.chunks]
+        self.routed, me = [[] for _ in self.chunks], mesh.coords["ep_index"]
         for c, chunk in enumerate(self.chunks):
             for block in (b for b in chunk if isinstance(getattr(b, "mlp", None), ExpertParallelMoE)):
-                block.register_forward_hook(lambda b, *_, c=c: self.routed[c].append(self.routing(b.mlp)))
-
-    def routing(self, moe) -> tuple[int, int]:
-        me = self.mesh.coords["ep_index"]
-        return sum(moe.sent) - moe.sent[me] + sum(moe.received) - moe.received[me], sum(moe.received)
+                block.register_forward_hook(lambda b, *_, c=c: self.routed[c].append(routed_rows(b.mlp, me)))
 
     def parameter_storages(self) -> set:
         """Where the weights live now: the parameters, and FSDP's gathered buffers (reallocated each gather)."""
@@ -316,8 +277,8 @@ def demo(args) -> int:
     # ring attention's online softmax, expert rows): a few ulps of a loss ~3. Any wrong gradient moves the
     # next loss by ~lr = 1e-2; 1e-13 sits between (tests/test_train_5d.py measures the rounding).
     worst = max(abs(a - b) for a, b in zip(run.losses, reference))
-    launch.print0("loss per step, 5D vs one process: " + ", ".join(f"{a:.6f} ({abs(a - b):.0e})"
-                                                                   for a, b in zip(run.losses, reference)))
+    launch.print0(f"  step {'loss, 5D':>16} {'loss, 1 process':>16} {'|diff|':>8}\n" + "\n".join(
+        f"  {s:>4} {a:>16.12f} {b:>16.12f} {abs(a - b):>8.1e}" for s, (a, b) in enumerate(zip(run.losses, reference))))
     traffic, memory = predictions(run, cfg, mesh, M, args.schedule, args.zero)
     got = dict(run.bytes[-1])
     if args.zero == 0:  # DDP's ring chunks may be uneven: its formula is the dp x cp group's average
@@ -326,18 +287,10 @@ def demo(args) -> int:
     dist.all_gather_object(rows, (got, traffic, run.memory, memory))
     exact = all(r[0] == r[1] and r[2] == r[3] for r in rows)
     launch.print0("bytes per step, rank: measured = planner (DP: the DDP group's average)\n"
-                  + table(rows, 0, AXES) + "\nmemory per rank, bytes: measured = planner\n" + table(rows, 2, MEMORY))
+                  + table([r[:2] for r in rows], AXES) + "\nmemory per rank, bytes: measured = planner\n"
+                  + table([r[2:] for r in rows], MEMORY))
     return launch.conclude("train_5d", worst <= 1e-13, f"{'x'.join(str(getattr(grid, a)) for a in ('dp', 'pp', 'cp', 'tp'))}"
                            f" ep {grid.ep} loss = 1 process ({worst:.0e})", exact, "bytes per axis and memory = planner")
-
-
-def table(rows, at: int, keys) -> str:
-    lines = ["  rank " + "".join(f"{k:>24}" for k in keys)]
-    for r, row in enumerate(rows):
-        cells = [f"{float(row[at][k]):,.0f}" + (" = " if row[at][k] == row[at + 1][k] else " != ")
-                 + f"{float(row[at + 1][k]):,.0f}" for k in keys]
-        lines.append(f"  {r:>4} " + "".join(f"{c:>24}" for c in cells))
-    return "\n".join(lines)
 
 
 def total(value: int, group=None) -> int:
