@@ -1,6 +1,7 @@
 """Sharded checkpoints: every rank writes its own shards, rank 0 commits a manifest, any world size loads.
 
-A sharded job cannot gather its state on one rank to save it: each rank must write its 1/K in parallel, a
+A sharded job cannot gather its state on one rank to save it (the consolidated state dict of
+mini_dist/sharded_state.py: b*N bytes through one rank): each rank must write its 1/K in parallel, a
 crash at any moment must not corrupt what is on disk, and the checkpoint must load on another number of
 ranks or in another layout. A rank's state maps names to:
 
@@ -262,8 +263,6 @@ def load(state: dict, path: str, group=None) -> dict:
         if not isinstance(value, (torch.Tensor, Sharded)):
             state[name] = ast.literal_eval(manifest["objects"][name])
     return {"bytes read": sum(t.nbytes for t in loaded.values()), "bytes wanted": sum(d.nbytes for *_, d in reads)}
-
-
 
 
 # ----------------------------------------------------------------------------- demo
