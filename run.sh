@@ -5,6 +5,7 @@
 #   ./run.sh test [--gpu] [ARGS]        the pytest suite (--gpu: NCCL ranks, one GPU each; ARGS go to pytest)
 #   ./run.sh demo MODULE [NPROC] [ARGS] one demo on NPROC ranks (default 4; ARGS go to the demo, try --help)
 #   ./run.sh bench [NPROC] [NAMES]      benchmarks against PyTorch's own implementations (default: all)
+#   ./run.sh ask [N ...] [--markdown]   the questions learners ask, each answered by a figure measured now
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -137,6 +138,7 @@ case "${1:-tour}" in
     nproc=4
     if [[ "${1:-}" =~ ^[0-9]+$ ]]; then nproc=$1; shift; fi
     launch "$nproc" -m mini_dist.bench "$@" ;;
-  -h|--help|help) sed -n '2,7p' "$0" ;;
-  *) echo "./run.sh: unknown command '$1'" >&2; sed -n '2,7p' "$0" >&2; exit 2 ;;
+  ask) shift; .venv/bin/python -m mini_dist.questions "$@" ;;  # it starts its own ranks
+  -h|--help|help) sed -n '2,8p' "$0" ;;
+  *) echo "./run.sh: unknown command '$1'" >&2; sed -n '2,8p' "$0" >&2; exit 2 ;;
 esac

@@ -1,0 +1,1023 @@
+"""Questions learners ask about distributed training, each answered by a number measured on the spot.
+
+Each entry below is one question: an answer in a few sentences, the demo that shows it in full, and a
+measure that runs just the part of mini_dist's modules that settles it (seconds, not the whole demo) and
+returns the figure it prints and whether that figure holds (the assertion the demo makes). A question
+that needs several ranks runs on RANKS gloo ranks this module starts itself (forkserver, a free port, a
+timeout on every collective and on every question: a rank that fails or hangs is reported, not waited for).
+
+    python -m mini_dist.questions                 # list the questions
+    python -m mini_dist.questions 7 14            # measure them; exit status 1 if a figure is off
+    python -m mini_dist.questions --all           # measure every one
+    python -m mini_dist.questions --markdown      # the page: question, answer, command, figure measured now
+    ./run.sh ask [N ...]                          # the same, through run.sh
+
+tests/test_questions.py runs every measure, so an answer's number cannot drift from the code.
+"""
+import atexit
+import contextlib
+import copy
+import datetime
+import math
+import os
+import shutil
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass
+from multiprocessing import connection, get_context
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+if not __package__:  # run as `python mini_dist/questions.py`: put the repo, not mini_dist/, on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mini_dist import (activation_checkpoint, checkpoint, comm, compression, context_parallel, cost_model,  # noqa: E402
+                       ddp, debug, expert_parallel, fsdp, launch, mixed_precision, moe, parallel_transformer,
+                       pipeline, pipeline_bubble, pipeline_schedules, planner, reshard, tensor_parallel, topology,
+                       ulysses, zero)
+from mini_dist.loss_scaling import DynamicLossScaler  # noqa: E402
+from mini_dist.ring_allreduce import (LEDGER, naive_all_reduce, ring_all_gather, ring_all_reduce,  # noqa: E402
+                                      ring_reduce_scatter)
+
+RANKS = 4                # the group every multi-rank question runs on
+RANK_TIMEOUT_S = "30"    # each collective of a rank gives up after this
+QUESTION_TIMEOUT_S = 90  # and a whole question after this
+f64 = torch.float64
+
+
+@dataclass(frozen=True)
+class Question:
+    number: int
+    question: str
+    answer: str
+    command: str   # the demo that shows it in full
+    measure: object  # () -> (figure, holds), run on every rank of a group of `ranks` (1: in this process)
+    ranks: int = 1
+
+
+QUESTIONS: dict[int, Question] = {}
+
+
+def question(number: int, text: str, command: str, answer: str, ranks: int = 1):
+    """Register the function below as the measure of question `number`."""
+    def register(measure):
+        QUESTIONS[number] = Question(number, text, " ".join(answer.split()), command, measure, ranks)
+        return measure
+    return register
+
+
+def _max(x: float, op=dist.ReduceOp.MAX) -> float:
+    """The largest of every rank's x (or another reduction): the figure rank 0 prints speaks for every rank."""
+    t = torch.tensor([float(x)], dtype=f64, device=launch.device())
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+def _sum(x: float) -> float:
+    return _max(x, dist.ReduceOp.SUM)
+
+
+def _data(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """fp64 data on this rank's device, the same on every rank for the same seed."""
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed), dtype=f64).to(launch.device())
+
+
+def _diff(a, b) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a, b))
+
+
+def _grads(model) -> list:
+    return [p.grad for p in model.parameters()]
+
+
+# ----------------------------------------------------------------------------- data parallelism
+
+@question(1, "Why average gradients rather than parameters across replicas, and is the result exactly the "
+          "full-batch gradient?", "./run.sh demo ddp 4", ranks=RANKS, answer="""
+    A batch's loss is the mean of its samples' losses, so its gradient is the mean of the ranks' own mean
+    gradients: one all-reduce that averages gradients gives every replica exactly the full-batch gradient (up to
+    the order of the sums), and every replica then takes the same step (Li et al., PyTorch Distributed, 2020;
+    torch.nn.parallel.DistributedDataParallel). Averaging parameters after each replica's own step agrees with it
+    only for plain SGD, whose update is linear in the gradient; with momentum or Adam the average of the steps is
+    another step.""")
+def gradients_not_parameters():
+    n, r = dist.get_world_size(), dist.get_rank()
+    x, y, mine = _data(4 * n, 8), _data(4 * n, 4, 1), slice(4 * r, 4 * r + 4)  # one global batch, 4 rows each
+    module = ddp.mlp([8, 16, 4]).to(launch.device())
+    alone, local = copy.deepcopy(module), copy.deepcopy(module)  # one process on the whole batch; a lone replica
+    model = ddp.DistributedDataParallel(module, bucket_cap_mb=0)
+    for m, rows in ((model, mine), (alone, slice(None)), (local, mine)):
+        F.mse_loss(m(x[rows]), y[rows]).backward()
+    grads = _max(_diff(_grads(model), _grads(alone)))
+    for m in (alone, local):
+        torch.optim.Adam(m.parameters(), lr=1e-2).step()
+    with torch.no_grad():
+        for p in local.parameters():
+            dist.all_reduce(p)
+            p /= n
+    weights = _diff(local.parameters(), alone.parameters())
+    return (f"gradients averaged over {n} ranks vs one process on the whole batch: max |diff| {grads:.0e}; weights "
+            f"averaged after each rank's own Adam step: {weights:.0e} away from the full-batch step"), \
+        grads <= 1e-12 and weights > 1e-4
+
+
+@question(2, "What do buckets buy in DDP, and how much communication hides behind backward?",
+          "./run.sh demo reducer 4", ranks=RANKS, answer="""
+    An all-reduce costs a fixed latency plus a time per byte: one per gradient pays the latency once per
+    parameter, one for the whole model cannot start before backward ends. DDP packs gradients into buckets (torch's
+    bucket_cap_mb, 25 MiB) in reverse layer order, the order backward produces them, and starts each bucket's
+    all-reduce the moment its last gradient lands, while backward computes the earlier layers. How much hides
+    depends on how long backward computes per byte; the naive sync after backward hides nothing.""")
+def buckets():
+    widths, x = [64, 256, 256, 256, 16], _data(256, 64, 100 + dist.get_rank())
+    bucketed = ddp.DistributedDataParallel(ddp.mlp(widths).to(launch.device()), bucket_cap_mb=0.25)
+    naive = ddp.NaiveDataParallel(ddp.mlp(widths).to(launch.device()))
+    for _ in range(2):  # the first backward warms up, the second is measured
+        bucketed.zero_grad()
+        bucketed(x).square().mean().backward()
+    naive(x).square().mean().backward()
+    naive.sync_gradients()
+    same = _max(_diff(_grads(bucketed), _grads(naive))) <= 1e-12
+    tl = bucketed.timeline
+    early = _max(tl.start[0] - tl.ready[-1]) < 0  # on every rank: bucket 0 left before the last one filled
+    return (f"{len(bucketed.buckets)} buckets of <= 0.25 MiB, last layer first: bucket 0's all-reduce started "
+            f"{(tl.backward_end - tl.start[0]) * 1e3:.1f} ms before backward ended, {tl.overlap():.0%} of the "
+            f"all-reduce time hidden (rank 0); naive, {len(widths) * 2 - 2} all-reduces after backward: "
+            f"{naive.timeline.overlap():.0%}; same gradients: {same}"), early and same and naive.timeline.overlap() == 0
+
+
+@question(3, "How does gradient accumulation work without extra code, and why must the loss be divided by the "
+          "number of steps?", "./run.sh demo ddp 4 --accumulation 4", ranks=RANKS, answer="""
+    backward adds into .grad, it never overwrites it: K backward passes over K micro-batches leave the sum of
+    their gradients. Each micro-batch's loss is a mean over its samples, so that sum is K times the gradient of the
+    mean over all K*B samples: divide each loss by K (or the learning rate by K). Under DDP the first K-1 backward
+    passes run inside no_sync(), so the ranks communicate once per optimizer step, not K times.""")
+def accumulation():
+    n, r, K, b = dist.get_world_size(), dist.get_rank(), 4, 2
+    x, y = _data(K * n * b, 8), _data(K * n * b, 4, 1)
+    module = ddp.mlp([8, 16, 4]).to(launch.device())
+    alone, undivided = copy.deepcopy(module), copy.deepcopy(module)
+    model = ddp.DistributedDataParallel(module, all_reduce=ring_all_reduce)
+    LEDGER.reset()
+    for k in range(K):  # micro-batch k: rows [k*n*b, (k+1)*n*b), rank r's b of them
+        rows, everyone = slice(k * n * b + r * b, k * n * b + (r + 1) * b), slice(k * n * b, (k + 1) * n * b)
+        with model.no_sync() if k < K - 1 else contextlib.nullcontext():
+            (F.mse_loss(model(x[rows]), y[rows]) / K).backward()
+        F.mse_loss(undivided(x[everyone]), y[everyone]).backward()  # one process, the loss not divided
+    F.mse_loss(alone(x), y).backward()
+    diff, D = _max(_diff(_grads(model), _grads(alone))), sum(p.numel() * 8 for p in module.parameters())
+    sent = _sum(LEDGER.sent) / n  # the ring's chunks can differ by an element between ranks; their sum cannot
+    too_big = min(p.grad.norm() / q.grad.norm() for p, q in zip(undivided.parameters(), alone.parameters())).item()
+    return (f"{K} micro-batches x {b} samples x {n} ranks, loss / K: = one process on all {K * n * b} samples to "
+            f"{diff:.0e}, and {sent / D:.2f}D sent per rank = one all-reduce (2(N-1)/N D), not {K}; without / K the "
+            f"gradient is {too_big:.2f}x too large"), diff <= 1e-12 and sent == 2 * (n - 1) / n * D and \
+        abs(too_big - K) < 1e-9
+
+
+@question(4, "What does each rank hold before and after all-reduce, reduce-scatter and all-gather?",
+          "./run.sh demo ring_allreduce 4 --verbose", ranks=RANKS, answer="""
+    Before, rank r holds its own tensor x_r. After an all-reduce every rank holds the whole sum
+    x_0 + ... + x_(N-1); after a reduce-scatter rank r holds only block r of that sum (1/N of it); an all-gather
+    takes one block from each rank and gives every rank all of them, concatenated in rank order. These three, with
+    all-to-all and point-to-point send and receive, are every pattern of communication in this repository
+    (torch.distributed.all_reduce, reduce_scatter_tensor, all_gather_into_tensor).""")
+def what_each_rank_holds():
+    n, r, dev = dist.get_world_size(), dist.get_rank(), launch.device()
+    x = torch.arange(1.0, n + 1, device=dev) * (r + 1)  # rank r: (r+1) * [1, 2, .., N]
+    native = x.clone()
+    dist.all_reduce(native)
+    summed = ring_all_reduce(x.clone())
+    block = ring_reduce_scatter(torch.empty(1, device=dev), x.clone())
+    gathered = ring_all_gather(torch.empty(n, device=dev), block)
+    show = lambda t: "[" + ", ".join(f"{v:g}" for v in t.tolist()) + "]"  # noqa: E731
+    ok = torch.equal(summed, native) and torch.equal(block, native[r:r + 1]) and torch.equal(gathered, native)
+    return (f"rank r holds (r+1) x {show(x / (r + 1))}; all-reduce: {show(summed)} on every rank; reduce-scatter: "
+            f"rank r keeps block r of that sum ({', '.join(show(t) for t in gathered.chunk(n))}); all-gather of "
+            f"those blocks: {show(gathered)} on every rank; all = torch.distributed's"), ok
+
+
+def _bytes_sent(fn, size: int, numel: int) -> tuple[float, float]:
+    """fn(a tensor of numel fp32) on the first `size` ranks: (mean, largest) bytes one of them sent."""
+    group = launch.new_group(range(size))  # every rank creates it; the others sit this one out
+    LEDGER.reset()
+    if dist.get_rank() < size:
+        fn(torch.ones(numel, device=launch.device()), group=group)
+    return _sum(LEDGER.sent) / size, _max(LEDGER.sent)
+
+
+@question(5, "What does a ring all-reduce cost per rank, and why does it not grow with the number of ranks?",
+          "./run.sh demo ring_allreduce 4", ranks=RANKS, answer="""
+    In a ring each rank cuts its D bytes into N chunks and, in N-1 steps of reduce-scatter and N-1 of all-gather,
+    sends one chunk per step to its neighbour: 2(N-1)/N * D bytes, which approaches 2D and never exceeds it however
+    many ranks join (Patarasuk & Yuan 2009; Baidu's ring all-reduce, 2017). Every link is busy at every step, so
+    the time is bandwidth-bound; what grows with N is the number of steps, 2(N-1) latencies. Sending everything to
+    a root instead makes the root move (N-1)*D.""")
+def ring_cost():
+    D = 4 * (1 << 16)
+    ring = {size: _bytes_sent(ring_all_reduce, size, D // 4)[0] / D for size in (2, RANKS)}
+    root = _bytes_sent(naive_all_reduce, RANKS, D // 4)[1] / D
+    return (f"D = {D // 1024} KiB: the ring sends " + ", ".join(f"{v:.2f}D per rank on {s} ranks" for s, v in
+                                                                ring.items())
+            + f" (2(N-1)/N D, never above 2D); a root-based all-reduce makes rank 0 send {root:.2f}D on {RANKS} "
+            f"ranks ((N-1)D)"), all(v == 2 * (s - 1) / s for s, v in ring.items()) and root == RANKS - 1
+
+
+@question(6, "Is all-reduce the same as reduce-scatter followed by all-gather (bytes and result)?",
+          "./run.sh demo ring_allreduce 4", ranks=RANKS, answer="""
+    Yes. A ring all-reduce is a reduce-scatter ((N-1)/N * D per rank) followed by an all-gather of the reduced
+    blocks (another (N-1)/N * D), and run in the same chunk order the result is the same bit for bit. This identity
+    is why ZeRO and FSDP can split DDP's all-reduce into its halves and put other work between them (Rajbhandari et
+    al. 2020), and why sequence parallelism costs the same bytes as tensor parallelism (Korthikanti et al. 2022).""")
+def all_reduce_is_two_halves():
+    n, dev, numel = dist.get_world_size(), launch.device(), 1 << 14
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank())).to(dev)
+    LEDGER.reset()
+    whole = ring_all_reduce(x.clone())
+    one = _sum(LEDGER.sent)
+    LEDGER.reset()
+    block = ring_reduce_scatter(torch.empty(numel // n, device=dev), x)
+    halves = ring_all_gather(torch.empty(numel, device=dev), block)
+    two, D = _sum(LEDGER.sent), x.nbytes
+    same = _max(not torch.equal(whole, halves)) == 0
+    return (f"D = {D // 1024} KiB fp32 on {n} ranks: all-reduce sent {one / n / D:.2f}D per rank, reduce-scatter + "
+            f"all-gather {two / n / D:.2f}D; results bit-identical: {same}"), same and one == two == 2 * (n - 1) * D
+
+
+# ----------------------------------------------------------------------------- sharded data parallelism
+
+def _fsdp_model(**options):
+    """fsdp.py's model (Linear, 3 Blocks, Linear; each Block a unit), fp32, sized to need no padding on 4 ranks,
+    after two Adam steps: its ledger holds the second one, and its gradients are still there."""
+    model = fsdp.make_model(8, 32, 3, torch.float32, launch.device(), **options)
+    adam, g = torch.optim.Adam(model.parameters(), lr=1e-3), torch.Generator().manual_seed(dist.get_rank())
+    x, y = (torch.randn(4, 8, generator=g).to(launch.device()) for _ in "xy")
+    for _ in range(2):
+        model.ledger.reset()
+        adam.zero_grad()
+        (model(x) - y).square().mean().backward()
+        adam.step()
+    return model, adam
+
+
+@question(7, "What changes from ZeRO-1 to ZeRO-2 to ZeRO-3, in memory per rank and bytes per step?",
+          "./run.sh demo zero 4", ranks=RANKS, answer="""
+    ZeRO-1 shards the optimizer state over the K data-parallel ranks, ZeRO-2 the gradients too, ZeRO-3 (FSDP) the
+    weights too (Rajbhandari et al. 2020). With fp32 Adam (4 + 4 + 8 bytes per parameter) that is 16N -> 8N + 8N/K
+    -> 4N + 12N/K -> 16N/K per rank; the often-quoted 4N + 12N/K for ZeRO-1 is the mixed-precision count (2 + 2 +
+    12 bytes), not fp32's. Bytes: ZeRO-2 sends exactly what DDP sends, not less (its reduce-scatter saves half the
+    all-reduce, the all-gather of the updated weights spends it again); ZeRO-1 as built here all-reduces the
+    gradients and then gathers the weights, 1.5x (DeepSpeed's reduce-scatters: 1x); ZeRO-3 gathers every weight
+    twice, 1.5x.""")
+def zero_stages():
+    K, per_n, sent, exact = dist.get_world_size(), {}, {}, True
+    for stage in (0, 1, 2):
+        model, forward, opt = zero.build("mini zero", [19, 60, 60], torch.float32, stage)  # N = 4,860
+        zero.train(model, forward, opt, 1)  # Adam's state exists from the first step on
+        LEDGER.reset()
+        zero.train(model, forward, opt, 1)
+        want, got = zero.memory_formula(stage, opt.partition, 4, 8), zero.memory_ledger(model.parameters(), opt)
+        exact &= [got[c] for c in want] == list(want.values()) and \
+            LEDGER.sent == zero.bytes_sent_formula(stage, opt.partition, 4)
+        per_n[stage], sent[stage] = sum(want.values()) / opt.partition.numel, _sum(LEDGER.sent)
+    model, adam = _fsdp_model()
+    N = sum(u.numel for u in model.units)
+    got = sum(v for c, v in zero.memory_ledger(model.parameters(), adam).items() if c != "scalars")
+    per_n[3], sent[3] = got / N, _sum(model.ledger.sent)
+    exact &= got == 16 * N // K and model.ledger.sent == 3 * (K - 1) * 4 * N // K
+    ratio = {1: sent[1] / sent[0], 2: sent[2] / sent[0], 3: sent[3] / (2 * (K - 1) * 4 * N)}  # 3: vs DDP's ring
+    names = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 (FSDP)"}
+    formulas = {0: "16N", 1: "8N + 8N/K", 2: "4N + 12N/K", 3: "16N/K"}
+    return (f"fp32 Adam, K = {K}, bytes per rank: " + ", ".join(f"{names[s]} {per_n[s]:.2f}N = {formulas[s]}"
+                                                               for s in names)
+            + f" (the mixed-precision ZeRO-1 count 4N + 12N/K would be {4 + 12 / K:.2f}N); sent per step vs DDP: "
+            + ", ".join(f"{names[s]} {ratio[s]:.2f}x" for s in (1, 2, 3))), exact and ratio[2] == 1.0
+
+
+@question(8, "Why does FSDP gather the same parameters twice per step, and what would go wrong without the "
+          "second gather?", "./run.sh demo fsdp 4", ranks=RANKS, answer="""
+    FSDP (Zhao et al. 2023; torch.distributed.fsdp.fully_shard) keeps a 1/K shard of each unit and all-gathers the
+    unit just before its forward, then frees it, so about one unit is whole at a time. Backward needs those weights
+    again (dL/dx = dL/dy W), so it gathers them a second time. Without the second gather the freed weights would
+    simply be missing in backward; the alternative is to keep every unit after forward (reshard_after_forward=False
+    in torch): one gather less, but at the turn from forward to backward the whole model is alive on every rank,
+    which is the memory FSDP exists to save.""")
+def fsdp_gathers_twice():
+    runs = {name: _fsdp_model(prefetch=False, reshard_after_forward=name == "resharded")[0]
+            for name in ("resharded", "kept")}
+    units = runs["kept"].units
+    full = [u.full.nbytes for u in units]  # the root unit first
+    gathers = {k: m.ledger.count("all-gather", units[1].name) for k, m in runs.items()}
+    peak = {k: int(_max(m.ledger.peak)) for k, m in runs.items()}
+    return (f"per step each of the {len(units) - 1} blocks is all-gathered {gathers['resharded']}x (forward, then "
+            f"again for backward): at most root + 1 block whole, {peak['resharded']:,} B; keeping it after forward: "
+            f"{gathers['kept']} gather, every unit whole at once, {peak['kept']:,} B "
+            f"({peak['kept'] / peak['resharded']:.1f}x)"), \
+        gathers == {"resharded": 2, "kept": 1} and peak == {"resharded": full[0] + max(full[1:]), "kept": sum(full)}
+
+
+@question(9, "How does FSDP's traffic compare with DDP's (about 1.5x), and where does the extra half come from?",
+          "./run.sh demo fsdp 4", ranks=RANKS, answer="""
+    DDP's ring all-reduce of the gradients is a reduce-scatter plus an all-gather: 2(K-1)/K of the model's bytes
+    per rank. FSDP keeps the reduce-scatter of the gradients and, instead of gathering gradients, gathers weights,
+    once for forward and once more for backward: 3(K-1)/K, 1.5x DDP. The extra half is the backward re-gather, the
+    price of never holding the whole model; prefetching the next unit hides it behind compute but does not remove
+    it.""")
+def fsdp_traffic():
+    K = dist.get_world_size()
+    sharded, kept = _fsdp_model()[0], _fsdp_model(reshard_after_forward=False)[0]
+    torch.manual_seed(0)  # fsdp.make_model's model, bare, under DDP
+    plain = nn.Sequential(nn.Linear(8, 8), *[fsdp.Block(8, 32) for _ in range(3)], nn.Linear(8, 8))
+    replica = ddp.DistributedDataParallel(plain.to(launch.device()), all_reduce=ring_all_reduce)
+    LEDGER.reset()
+    replica(torch.randn(4, 8, device=launch.device())).square().mean().backward()
+    D = sum(p.nbytes for p in plain.parameters())
+    ddp_sent, fsdp_sent, kept_sent = (_sum(s) for s in (LEDGER.sent, sharded.ledger.sent, kept.ledger.sent))
+    return (f"per rank per step, D = {D:,} B of fp32 weights: DDP's ring all-reduce {ddp_sent / K:,.0f} B = "
+            f"2(K-1)/K D; FSDP {fsdp_sent / K:,.0f} B = 3(K-1)/K D (gather for forward, gather again for backward, "
+            f"reduce-scatter): {fsdp_sent / ddp_sent:.2f}x; keeping the weights after forward: "
+            f"{kept_sent / ddp_sent:.2f}x"), ddp_sent == 2 * (K - 1) * D and 2 * fsdp_sent == 3 * ddp_sent and \
+        kept_sent == ddp_sent
+
+
+# ----------------------------------------------------------------------------- tensor and sequence parallelism
+
+@question(10, "When is tensor parallelism the right choice, and why does it want the fastest links?",
+          "./run.sh demo tensor_parallel 4", ranks=RANKS, answer="""
+    Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) cuts every weight matrix, so it divides a layer's
+    weights, its compute and most of its activations by T: the choice when one layer's weights or activations do
+    not fit, or when the batch per GPU is already small. Its price is communication inside every layer: an
+    all-reduce of the layer's activations, b*s*h numbers, forward and backward, and the next matmul waits for it.
+    Those bytes grow with the tokens, not with the parameters, and sit on the critical path, so TP stays inside a
+    node, on NVLink, typically T <= 8.""")
+def tensor_parallel_traffic():
+    T, h, dev = dist.get_world_size(), 32, launch.device()
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)).to(dev, f64)
+    mlp = tensor_parallel.shard_from_dense(tensor_parallel.ParallelMLP(h, device=dev, dtype=f64), dense)
+    payload, worst = {}, 0.0
+    for b in (2, 4):
+        x, dy = _data(b * 8, h, b).view(b, 8, h).requires_grad_(), _data(b * 8, h, b + 1).view(b, 8, h)
+        comm.COUNTER.reset()
+        out = mlp(x)
+        out.backward(dy)
+        payload[b], calls = sum(comm.COUNTER.bytes.values()), dict(comm.COUNTER.calls)
+        worst = max(worst, (out - dense(x)).abs().max().item())
+    share = sum(p.numel() for p in mlp.parameters()) / sum(p.numel() for p in dense.parameters())
+    grads = sum(p.nbytes for p in dense.parameters())
+    return (f"MLP {h} -> {4 * h} -> {h} on T = {T}: weights per rank {share:.2f} of dense, output = dense to "
+            f"{worst:.0e}; per step {calls.get('all_reduce', 0)} all-reduces of activations, "
+            f"{payload[2] // 1024} KiB at 2 x 8 tokens, {payload[4] // 1024} KiB at 4 x 8: TP's bytes grow with the "
+            f"tokens, while data parallelism all-reduces this layer's {grads // 1024} KiB of gradients once per step "
+            f"whatever the batch"), worst < 1e-12 and payload[4] == 2 * payload[2] and calls == {"all_reduce": 2}
+
+
+@question(11, "What are Megatron's f and g, and how many all-reduces does a transformer layer cost forward and "
+          "backward?", "./run.sh demo parallel_transformer 4", ranks=RANKS, answer="""
+    f is identity forward and all-reduce backward: it sits before a column-parallel layer, where every rank needs
+    all of x and ends up holding only a partial gradient of it. g is its mirror, an all-reduce forward of a
+    row-parallel layer's partial sums and identity backward (Shoeybi et al. 2019; mini_dist/comm.py). Attention
+    (Q, K, V cut by heads, output projection cut by rows) and the MLP (column, GeLU, row) each need one f and one
+    g, so a transformer layer costs 2 all-reduces forward and 2 backward, each of one b*s*h activation.""")
+def f_and_g():
+    T, dev = dist.get_world_size(), launch.device()
+    exact = [comm.check_operator(name, comm.input_shape(name, 2, 2 * T, 3 * T, T))[0] for name in ("f", "g")]
+    block = parallel_transformer.ParallelTransformerBlock(32, 4, device=dev, dtype=f64)
+    x = _data(16, 32).view(2, 8, 32).requires_grad_()
+    comm.COUNTER.reset()
+    out = block(x)
+    forward = dict(comm.COUNTER.calls)
+    comm.COUNTER.reset()
+    out.backward(torch.ones_like(out))
+    backward, nbytes = dict(comm.COUNTER.calls), comm.COUNTER.bytes["all_reduce"]
+    return (f"f and g against one process: max |diff| {max(exact):g}; a transformer block on T = {T}: forward "
+            f"{forward.get('all_reduce', 0)} all-reduces (g after attention, g after the MLP), backward "
+            f"{backward.get('all_reduce', 0)} (f before each), {nbytes // backward.get('all_reduce', 1):,} B = "
+            f"b*s*h*8 each"), max(exact) == 0 and forward == backward == {"all_reduce": 2} and nbytes == 2 * x.nbytes
+
+
+@question(12, "What does sequence parallelism save, and what does it cost in collectives?",
+          "./run.sh demo parallel_transformer 4", ranks=RANKS, answer="""
+    Under plain tensor parallelism the layer norms, dropouts and residuals run on the whole sequence on every
+    rank, so their activations are replicated T times. Sequence parallelism (Korthikanti et al. 2022) cuts them
+    along the sequence and splits each all-reduce into its halves: a reduce-scatter after a row-parallel layer, an
+    all-gather before a column-parallel one. The same bytes travel (a ring all-reduce is a reduce-scatter plus an
+    all-gather), plus one all-gather per column layer again in backward, since the input is gathered again rather
+    than kept whole; in return every activation of the layer is 1/T per rank.""")
+def sequence_parallel():
+    T, r, dev, (b, s, h, heads) = dist.get_world_size(), dist.get_rank(), launch.device(), (2, 16, 32, 4)
+    torch.manual_seed(0)
+    dense = parallel_transformer.TransformerBlock(h, heads, causal=True, device=dev, dtype=f64)
+    x, dy = _data(b * s, h).view(b, s, h).requires_grad_(), _data(b * s, h, 1).view(b, s, h)
+    dense(x).backward(dy)
+    alone = [launch.new_group([q]) for q in range(T)][r]  # a group of one: the same layer, undivided
+    one, tp, sp = [parallel_transformer._one_layer(tensor_parallel.shard_from_dense(
+        parallel_transformer.ParallelTransformerBlock(h, heads, True, on, group, dev, f64), dense, group),
+        dense, x, dy, on, group) for group, on in ((alone, False), (None, False), (None, True))]
+    worst = _max(max(one.diff, tp.diff, sp.diff))
+    talk = lambda calls: " + ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(calls.items()))  # noqa: E731
+    return (f"a block b={b} s={s} h={h} on T = {T} (= dense to {worst:.0e}): activations kept per rank 1/"
+            f"{one.acts / tp.acts:.2f} of one rank's under TP, 1/{one.acts / sp.acts:.2f} with SP; forward TP "
+            f"{talk(tp.fwd[0])}, SP {talk(sp.fwd[0])} ({sum(tp.fwd[0].values())} vs {sum(sp.fwd[0].values())} "
+            f"collectives, same bytes on a ring); backward TP {talk(tp.bwd[0])}, SP {talk(sp.bwd[0])}"), \
+        worst < 1e-12 and one.acts == T * sp.acts and tp.fwd[0] == tp.bwd[0] == {"all_reduce": 2} and \
+        sp.fwd[0] == {"all_gather": 2, "reduce_scatter": 2} and sp.bwd[0] == {"all_gather": 4, "reduce_scatter": 2}
+
+
+# ----------------------------------------------------------------------------- pipeline parallelism
+
+@question(13, "What flows between pipeline stages, and in which pattern?", "./run.sh demo pipeline_schedules 4",
+          ranks=RANKS, answer="""
+    Only neighbours talk: stage s sends each microbatch's output activation to stage s+1 and gets the gradient of
+    that output back from it, point to point (isend/irecv), M of each per step. The schedule decides the order,
+    and two neighbours must post matching sends and receives in the same order or both wait forever, which is why
+    schedules are best written as data and checked before they run (ShallowSpeed; torch.distributed.pipelining).
+    A middle stage sends M activations forward and M gradients back, an end stage half of that.""")
+def pipeline_flow():
+    P, M, w, r = dist.get_world_size(), 8, 8, dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(P) for m in (nn.Linear(w, w), nn.Tanh())]).to(launch.device(), f64)
+    plan = pipeline_schedules.one_f_one_b_schedule(P, M)
+    _, stats = pipeline.pipeline_step(pipeline_schedules.pipeline_chunks(model), plan, _data(2 * M, w),
+                                      _data(2 * M, w, 1), nn.MSELoss())
+    act = 2 * w * 8  # a microbatch's activation: 2 rows of w fp64 numbers
+    want = (r < P - 1) * (M * act + 8 * pipeline.HEADER_LEN) + (r > 0) * M * act
+    sent = [None] * P
+    dist.all_gather_object(sent, stats.bytes_sent)
+    neighbours = all(abs(pipeline_schedules.route(a, q, P, P)[0] - q) == 1 for q, acts in enumerate(plan.actions)
+                     for a in acts if a.op not in pipeline_schedules.COMPUTE)
+    short = {"recv_act": "recv x", "send_act": "send x", "recv_grad": "recv dx", "send_grad": "send dx"}
+    start = " ".join(short.get(a.op, "FB"[a.op == "backward"]) + str(a.mb) for a in plan.actions[1][:9])
+    return (f"1F1B, P = {P}, M = {M}: bytes sent per stage {sent} = M activations forward (not the last stage) + M "
+            f"gradients back (not the first) + one shape header; every message to a neighbour: {neighbours}; "
+            f"stage 1 begins: {start} ..."), _max(stats.bytes_sent != want) == 0 and neighbours
+
+
+@question(14, "GPipe vs 1F1B: same bubble, different what?", "./run.sh demo pipeline_bubble 4 --schedules gpipe 1f1b",
+          answer="""
+    The often-repeated claim that 1F1B has a smaller bubble is wrong: with uniform stages both leave ranks idle for
+    (P-1)/(M+P-1) of the step (Huang et al. 2019; Narayanan et al. 2021). What 1F1B changes is memory: GPipe runs
+    all M forwards before any backward, so every stage keeps the activations of M microbatches, while 1F1B starts
+    each backward as early as it can and stage r never keeps more than P-r. That is what lets you raise M, and
+    raising M is what shrinks the bubble.""")
+def gpipe_vs_1f1b():
+    P, M, seen = 4, 8, {}
+    for name in ("gpipe", "1f1b"):
+        plan = pipeline_schedules.SCHEDULES[name](P, M)
+        seen[name] = (pipeline_bubble.bubble_fraction(pipeline_bubble.simulate(plan)),
+                      [pipeline_schedules.live_microbatches(a) for a in plan.actions])
+    formula = pipeline_bubble.bubble_formula("1f1b", P, M)
+    return (f"P = {P}, M = {M}, simulated: bubble GPipe {seen['gpipe'][0]:.3f}, 1F1B {seen['1f1b'][0]:.3f} = "
+            f"(P-1)/(M+P-1) = {formula:.3f}; microbatches' activations kept per stage: GPipe {seen['gpipe'][1]}, "
+            f"1F1B {seen['1f1b'][1]}"), all(abs(b - formula) < 1e-12 for b, _ in seen.values()) and \
+        seen["gpipe"][1] == [M] * P and seen["1f1b"][1] == [P - r for r in range(P)]
+
+
+@question(15, "How much do interleaving and zero-bubble schedules shrink the bubble?",
+          "./run.sh demo pipeline_bubble 4", answer="""
+    Interleaved 1F1B (Narayanan et al. 2021) gives each rank v model chunks, so filling and draining the pipe take
+    v times less: (P-1)/(v*M+P-1), paid with v times the messages. Zero bubble (Qi et al. 2023) splits each backward
+    into B, the input's gradient that the previous stage waits for, and W, the weights' gradient that nobody waits
+    for, and fills the drain with the deferred W's: ZB-H1 reaches (P-1)/(3M+P-1) when F = B = W, with 1F1B's
+    memory.""")
+def interleaved_and_zero_bubble():
+    P, M, v, seen = 4, 8, 2, {}
+    for name, chunks in (("1f1b", 1), ("interleaved", v), ("zero_bubble", 1)):
+        plan = pipeline_schedules.SCHEDULES[name](P, M, chunks)
+        ideal = pipeline_bubble.simulate(plan, *[1 / chunks] * 3)  # a chunk computes 1/v of a stage
+        seen[name] = (pipeline_bubble.bubble_fraction(ideal), pipeline_bubble.bubble_formula(name, P, M, v))
+    return (f"P = {P}, M = {M}, F = B = W, simulated (formula): 1F1B {seen['1f1b'][0]:.3f} ({seen['1f1b'][1]:.3f}), "
+            f"interleaved v = {v} {seen['interleaved'][0]:.3f} ({seen['interleaved'][1]:.3f}), zero bubble ZB-H1 "
+            f"{seen['zero_bubble'][0]:.3f} ({seen['zero_bubble'][1]:.3f})"), \
+        all(abs(a - b) < 1e-12 for a, b in seen.values())
+
+
+# ----------------------------------------------------------------------------- sequences and experts
+
+@question(16, "What are context parallelism and Ulysses for, and how can attention run when no rank holds the "
+          "whole sequence?", "./run.sh demo context_parallel 4", ranks=RANKS, answer="""
+    They are for sequences whose activations do not fit one GPU: each of C ranks holds S/C tokens. Ring attention
+    (Liu et al. 2023; torch's context_parallel) leaves the queries in place and passes K/V blocks round the ring;
+    each block gives a partial attention and its log-sum-exp, merged online as FlashAttention merges tiles, so no
+    rank ever holds the S x S scores. DeepSpeed-Ulysses (Jacobs et al. 2023) all-to-alls the tokens into whole heads
+    instead: fewer bytes, but C can never exceed the number of heads. Under a causal mask a zigzag layout gives
+    every rank the same work.""")
+def context_parallel_attention():
+    C, (b, H, S, d) = dist.get_world_size(), (1, 4, 32, 8)
+    full = [_data(b * H * S, d, seed).view(b, H, S, d) for seed in range(4)]
+    K, seen = b * S * H * d * 8, {}
+    for name, attention in (("ring", context_parallel.ring_attention), ("Ulysses", ulysses.ulysses_attention)):
+        diff, forward, backward = context_parallel.against_sdpa(attention, full, causal=True)
+        seen[name] = (_max(diff), forward, context_parallel.SCORES.peak_bytes)
+    whole = b * H * S * S * 8
+    return (f"S = {S} tokens, {S // C} per rank on C = {C} (zigzag), causal: ring attention and Ulysses = "
+            f"scaled_dot_product_attention on the whole sequence to {max(s[0] for s in seen.values()):.0e}; largest "
+            f"score tensor per rank: ring {seen['ring'][2]:,} B = 1/{whole // seen['ring'][2]} of the whole S x S, "
+            f"Ulysses {seen['Ulysses'][2]:,} B (S x S for H/C heads); bytes sent forward: ring {seen['ring'][1]:,} "
+            f"= 2(C-1)/C |K|, Ulysses {seen['Ulysses'][1]:,} = 4(C-1)/C^2 |K|"), \
+        max(s[0] for s in seen.values()) < 1e-12 and seen["ring"][1] == 2 * (C - 1) * K // C and \
+        seen["Ulysses"][1] == 4 * (C - 1) * K // C ** 2
+
+
+@question(17, "What does expert parallelism send, and why do bad routers make stragglers?",
+          "./run.sh demo expert_parallel 4", ranks=RANKS, answer="""
+    Each of W ranks holds E/W experts, and every token goes to its top-k experts: its rows travel to those experts'
+    ranks by an all-to-all with uneven splits and come back by the reverse one, forward and again backward (GShard,
+    Lepikhin et al. 2020; Megatron-LM's MoE). A router that sends most tokens to a few experts makes the ranks
+    holding them compute longest, and the returning all-to-all waits for them; capacity limits drop the excess
+    tokens, and Switch's auxiliary loss (Fedus et al. 2021) pushes the router toward balance.""")
+def expert_parallel_traffic():
+    W, r, h = dist.get_world_size(), dist.get_rank(), 8
+    torch.manual_seed(0)  # the same router and experts on every rank
+    dense = moe.MoE(h, 2 * h, 8, 2, None, device=launch.device(), dtype=f64)
+    xs, dys = ([moe.skewed_tokens(16 + 3 * q, h, seed, q) for q in range(W)] for seed in (0, 1))
+    diff, nbytes, want = expert_parallel.against_one_process(dense, expert_parallel.p2p_all_to_all, xs, dys)
+    layer, load = expert_parallel.parallel_like(dense), {}
+    for skew in (0.0, 4.0):
+        with torch.no_grad():
+            layer(moe.skewed_tokens(64, h, 2, r, skew=skew))
+        rows = comm.all_gather(torch.tensor([sum(layer.received)], device=launch.device()), 0).double()
+        load[skew] = (rows.max() / rows.mean()).item()
+    ok = _max(diff) <= 1e-12 and _max(nbytes != want) == 0 and load[4.0] > load[0.0]
+    return (f"E = 8 experts on {W} ranks, top-2: rank 0 sent {nbytes:,} B of rows by all-to-all, forward and back, = "
+            f"2(rows out + rows in)*h*8 (= one process to {_max(diff):.0e}); rows reaching the busiest rank: "
+            f"{load[0.0]:.2f}x the mean for tokens without a common direction, {load[4.0]:.2f}x when all lean one "
+            f"way: that rank computes longest and the return trip waits for it"), ok
+
+
+# ----------------------------------------------------------------------------- memory and precision
+
+@question(18, "What does activation checkpointing save and cost, and why sqrt(L) segments?",
+          "./run.sh demo activation_checkpoint 1", answer="""
+    Backward needs tensors from forward; checkpointing a segment keeps only its input and recomputes the rest
+    during backward (Chen et al. 2016; torch.utils.checkpoint). Checkpointing every layer keeps one input per layer
+    and costs one more forward, 4/3 of the step's compute when backward costs two forwards. With L layers in k
+    segments a rank holds k inputs plus the L/k layers being recomputed, k*I + (L/k)*A, least at
+    k = sqrt(L*A/I): sqrt(L) when a layer keeps about as much as its input. A transformer layer keeps some 20
+    times its input, so checkpointing every layer is close to the best there, which is what Megatron-LM does.""")
+def activation_checkpointing():
+    L, k, b, s, h, a = 4, 2, 1, 16, 16, 2
+    torch.manual_seed(0)
+    model = nn.Sequential(*[activation_checkpoint.TransformerLayer(h, a) for _ in range(L)])
+    x, dy = torch.randn(b, s, h), torch.randn(b, s, h)
+    A, I = 4 * (16 * s * b * h + 2 * a * s * s * b) + 2 * s * b * h + a * s * s * b + 16 * s * b, 4 * s * b * h
+    rows, ok = {}, True
+    for name, ours, _, kept, more in activation_checkpoint.strategies(L, k, s, h)[:3]:
+        rows[name] = got = activation_checkpoint.measure_step(ours, model, x, dy, 0)
+        rows[name]["more"] = got["flops"] / rows["none"]["flops"]
+        ok &= got["saved"] == kept(A, I) and math.isclose(rows[name]["more"], more, rel_tol=1e-12)
+    return (f"L = {L} layers, each keeping A = {A:,} B for backward from an input of I = {I:,} B: kept after "
+            f"forward / backward peak / compute: " + "; ".join(f"{n} {r['saved']:,} / {max(r['backward']):,} B / "
+                                                             f"{r['more']:.2f}x" for n, r in rows.items())), ok
+
+
+@question(19, "fp16 training produces NaN: overflow or underflow, and how does loss scaling fix it? Why does bf16 "
+          "not need it?", "./run.sh demo loss_scaling 4", answer="""
+    NaN comes from overflow: past 65504 fp16 rounds to inf, and inf - inf or 0 * inf is NaN. Underflow is the
+    silent failure: gradients below 6e-8 become 0 and training stalls. Loss scaling (Micikevicius et al. 2018;
+    torch.amp.GradScaler) multiplies the loss by S so that every gradient is S times larger and clear of the
+    underflow zone, divides by S in fp32 before the step, and skips the step and halves S whenever an inf or NaN
+    appears (under ZeRO or FSDP every rank must agree on that skip). bf16 has fp32's 8 exponent bits, hence fp32's
+    range: nothing to scale.""")
+def overflow_or_underflow():
+    t = lambda v, dtype: torch.tensor(v, dtype=dtype)  # noqa: E731
+    h, bf = torch.float16, torch.bfloat16
+    nan = t(300, h) * t(300, h) - t(300, h) * t(300, h)
+    zero_, rescued = t(1e-4, h) * t(1e-4, h), (t(1e-4, h) * t(1e-4 * 2 ** 16, h)).float() / 2 ** 16
+    wide = (t(1e-4, bf) * t(1e-4, bf)).float()
+    weight = nn.Parameter(torch.ones(2))
+    scaler, sgd = DynamicLossScaler(init_scale=2.0 ** 16), torch.optim.SGD([weight], lr=1.0)
+    weight.grad = torch.tensor([math.inf, 1.0])
+    scaler.step(sgd)
+    scaler.update()
+    skipped = torch.equal(weight.detach(), torch.ones(2))
+    return (f"fp16: 300*300 - 300*300 = {nan.item()} (90000 > 65504 rounds to inf, inf - inf = NaN); 1e-4*1e-4 = "
+            f"{zero_.item():g} (underflow: silent); scaled by 2^16 and unscaled in fp32: {rescued.item():.3g}; bf16 "
+            f"with no scaling: {wide.item():.3g}; an inf gradient: step skipped ({skipped}), S 65536 -> "
+            f"{scaler.get_scale():g}"), bool(nan.isnan()) and zero_.item() == 0 and \
+        abs(rescued.item() / 1e-8 - 1) < 0.01 and abs(wide.item() / 1e-8 - 1) < 0.01 and skipped and \
+        scaler.get_scale() == 2.0 ** 15
+
+
+@question(20, "Why keep fp32 master weights when computing in fp16?", "./run.sh demo mixed_precision 1", answer="""
+    An update w - lr*g only lands if it is larger than half the spacing between neighbouring numbers near w:
+    fp16's spacing at 1.0 is 2^-10 (about 1e-3), bf16's 2^-7. Updates smaller than that round away and the weights
+    stop moving, so the optimizer steps an fp32 copy, where small updates accumulate, and the model computes with
+    that copy rounded to half after each step (Micikevicius et al. 2018; the master copy of FSDP's
+    MixedPrecisionPolicy and apex's O2).""")
+def master_weights():
+    runs = {name: mixed_precision.train_regression(dtype, master, steps=200)[0] for name, dtype, master in
+            (("fp32", torch.float32, False), ("fp16", torch.float16, False),
+             ("fp16 + fp32 master", torch.float16, True))}
+    ratio = mixed_precision.update_to_spacing(torch.float16)
+    f32, alone, kept = runs["fp32"], runs["fp16"], runs["fp16 + fp32 master"]
+    return (f"least squares, weights in [1, 2), SGD lr 2e-3: |lr*g| / (spacing/2) = {ratio:.2f} at the start, so "
+            f"in fp16 the update rounds away; loss over 200 steps: " + ", ".join(
+                f"{n} {v[0]:.5f} -> {v[-1]:.5f}" for n, v in runs.items()) + " (fp16 alone: not one update landed)"), \
+        ratio < 1 and alone[-1] == alone[0] and abs(kept[-1] - f32[-1]) <= abs(kept[0] - f32[0])
+
+
+@question(21, "How much memory does training a 7B model with Adam in mixed precision need, and what fits on one "
+          "80 GB GPU?", "./run.sh demo planner", answer="""
+    The model states alone take 16 bytes per parameter: 2 for bf16 weights, 2 for their gradients, 12 for the fp32
+    master weights and Adam's two moments (Rajbhandari et al. 2020). That is 112 GB for 7B parameters before a
+    single activation, so 7B does not fit one 80 GB GPU; about 5B would, with nothing left for activations.
+    Sharding the states fixes it (fully sharded over 8 GPUs, 14 GB each); mini_dist's planner tries the simplest
+    plans first and picks the first that fits with its traffic hidden behind compute.""")
+def seven_billion():
+    b, numel = 10 ** 9, 10_000
+    per = sum(cost_model.measured_model_state_bytes(numel, "bf16", "adam")) / numel
+    model = cost_model.Model(7 * b, 32, 4096, 32, 4096)
+    best = planner.recommend(model, cost_model.Cluster(8), cost_model.Plan(8, microbatches=8))
+    sharded = sum(cost_model.model_state_bytes(7 * b, 8, 3)) / b
+    return (f"torch holds {per:g} B per parameter after an Adam step with bf16 weights and an fp32 master copy "
+            f"(measured on {numel:,}); 7B x {per:g} = {7 * per:g} GB > 80 GB; one 80 GB GPU holds the states of "
+            f"{80 / per:.1f}B parameters at most; fully sharded over 8: {sharded:g} GB each; the planner's pick for "
+            f"8 x 80 GB, seq 4096: {best.plan.name}, {best.total / b:.1f} GB/GPU"), per == 16 and sharded == 14
+
+
+# ----------------------------------------------------------------------------- the cluster
+
+@question(22, "What do the hierarchical all-reduce and a slow inter-node link teach about placement?",
+          "./run.sh demo topology 4 --ranks-per-node 2", ranks=RANKS, answer="""
+    A step of a ring lasts as long as its slowest message, and in a ring across nodes some rank sends every one of
+    its chunks over the slow network. The hierarchical all-reduce (reduce-scatter inside each node, all-reduce of
+    the 1/G shard across nodes, all-gather inside; NCCL's trees and Horovod's hierarchical mode play the same
+    trick) sends the same bytes in all but only 1/G of them between nodes. The lesson for placement: keep the
+    chatty traffic on the fast links, and let only the smallest share cross nodes.""")
+def hierarchical():
+    N, G, numel = dist.get_world_size(), 2, 1 << 14
+    D, seen = 4 * numel, {}
+    for name in ("ring", "hierarchical"):
+        with topology.Links(G) as links:
+            topology.ALGORITHMS[name](torch.ones(numel, device=launch.device()), G, None)
+        seen[name] = (_max(links.sent["inter"]) / D, _max(sum(links.sent.values())) / D)
+    links = {"intra": (5e-6, 1 / 450e9), "inter": (10e-6, 1 / 50e9)}  # cost_model.Cluster's NVLink, InfiniBand
+    ms = {a: 1e3 * topology.predict(topology.schedule(a, 16, 8), 1e9, 8, links) for a in seen}
+    n = N // G
+    return (f"{n} nodes x {G} ranks, D = {D // 1024} KiB: every rank sends {seen['ring'][1]:.2f}D either way, but "
+            f"the busiest sends {seen['ring'][0]:.2f}D over the slow link in the ring, {seen['hierarchical'][0]:.2f}D "
+            f"hierarchically (1/G); alpha-beta model, 1 GB over 2 nodes of 8 GPUs (450 GB/s inside, 50 between): "
+            f"ring {ms['ring']:.1f} ms, hierarchical {ms['hierarchical']:.1f} ms"), \
+        seen["ring"][0] == 2 * (N - 1) / N and seen["hierarchical"][0] == 2 * (n - 1) / n / G and \
+        seen["ring"][1] == seen["hierarchical"][1] and ms["hierarchical"] < ms["ring"]
+
+
+@question(23, "What does gradient compression save, and why does it need error feedback?",
+          "./run.sh demo compression 4", ranks=RANKS, answer="""
+    PowerSGD (Vogels et al. 2019; torch.distributed.algorithms.ddp_comm_hooks) sends a rank-r approximation P Q^T
+    of each n x m gradient matrix, r(n + m) numbers instead of n*m; casting to fp16 merely halves the bytes. The
+    compressor is biased: what it drops this step it drops again next step, so small steady directions of the
+    gradient never get through. Error feedback adds what was not sent to the next step's gradient: nothing is lost,
+    only delayed.""")
+def powersgd():
+    widths, steps, runs = [32, 32, 32], 20, {"plain": (None, None)}
+    runs.update({f"PowerSGD r=1{ef}": (compression.powerSGD_hook, dict(
+        matrix_approximation_rank=1, start_powerSGD_iter=2, use_error_feedback=ef == " + EF")) for ef in (" + EF", "")})
+    seen = {name: compression.train(widths, hook, state, steps, 0.1) for name, (hook, state) in runs.items()}
+    D = 4 * sum(a * b + b for a, b in zip(widths, widths[1:]))
+    low = 4 * sum(a + b + b for a, b in zip(widths, widths[1:]))  # r(n + m) + the bias, r = 1
+    sent = {name: s[2] for name, s in seen.items()}
+    loss = {name: s[0][-1] for name, s in seen.items()}
+    return (f"two 32 x 32 layers on {dist.get_world_size()} ranks: bytes all-reduced per step plain {sent['plain']:,}, "
+            f"PowerSGD r=1 {sent['PowerSGD r=1']:,} = 4(r(n+m) + bias) per layer ({D / low:.1f}x fewer); test loss "
+            f"after {steps} steps: " + ", ".join(f"{n} {v:.2e}" for n, v in loss.items())), \
+        sent["plain"] == D and sent["PowerSGD r=1"] == sent["PowerSGD r=1 + EF"] == low and \
+        loss["PowerSGD r=1 + EF"] < loss["PowerSGD r=1"]
+
+
+@question(24, "What does a recoverable sharded checkpoint require, and can it load on a different number of "
+          "ranks?", "./run.sh demo reshard 4", ranks=RANKS, answer="""
+    Every rank writes its own shard in parallel (to a temporary name, fsync, rename) and one rank writes the
+    manifest last: a checkpoint without a manifest does not exist, so a crash in the middle of a save leaves the
+    previous one intact. To resume the same run it must hold everything that decides the next step: parameters,
+    optimizer state, the position in the data and the RNG states (mini_dist/recovery.py). Saved as boxes of global
+    tensors (torch.distributed.checkpoint's chunks), it loads on any number of ranks and in any layout: each rank
+    reads only the saved boxes that overlap its own.""")
+def sharded_checkpoint():
+    K, r = dist.get_world_size(), dist.get_rank()
+
+    def zero_adam(seed, stage, group=None):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 8)).double()
+        return model, zero.ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage, group, lr=0.01)
+    model, opt = zero_adam(0, 1)
+    zero.train(model, model, opt, 2)
+    where = [tempfile.mkdtemp(prefix="mini_dist_questions_") if r == 0 else None]
+    dist.broadcast_object_list(where)
+    path, half = os.path.join(where[0], "step_2"), launch.new_group(range(K // 2))
+    try:
+        checkpoint.save(reshard.zero_state(opt), path)  # if it fails, it fails on every rank
+        files = sorted(os.listdir(path))
+        sizes, saved = [os.path.getsize(os.path.join(path, f)) for f in files], opt.state_dict(to=None)
+        same, problem = True, None
+        if r < K // 2:  # ZeRO-2 on half the ranks, from another initialisation
+            try:
+                model2, opt2 = zero_adam(1, 2, half)
+                reshard.load_zero_state(path, opt2, half)
+                again = opt2.state_dict(to=None)
+                same = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters())) and all(
+                    torch.equal(again["state"][i][k], v) for i, st in saved["state"].items() for k, v in st.items())
+            except Exception as e:  # noqa: BLE001  said on every rank: the other half must not wait for it
+                problem = f"rank {r}: {type(e).__name__}: {e}"
+        everyone = [None] * K
+        dist.all_gather_object(everyone, (same, problem))
+        if any(p for _, p in everyone):
+            raise RuntimeError("; ".join(p for _, p in everyone if p))
+        same = all(s for s, _ in everyone)
+        dist.barrier()
+        if r == 0:
+            os.remove(os.path.join(path, checkpoint.MANIFEST))
+        dist.barrier()
+        try:
+            checkpoint.load(reshard.zero_state(opt), path)
+            refused = False
+        except checkpoint.CheckpointError:
+            refused = True
+    finally:
+        if r == 0:
+            shutil.rmtree(where[0], ignore_errors=True)
+    return (f"ZeRO-1 with Adam on {K} ranks saved {', '.join(f'{f} {s:,} B' for f, s in zip(files, sizes))} (the "
+            f"manifest written last); loaded as ZeRO-2 on {K // 2} ranks: parameters and Adam state bit for bit: "
+            f"{same}; with the manifest gone, the load is refused on every rank: {refused}"), \
+        same and refused and len(files) == K + 1 and checkpoint.MANIFEST in files
+
+
+@question(25, "Why does global batch size matter when adding ranks, and what does it change?",
+          "./run.sh demo ddp 4", ranks=RANKS, answer="""
+    The optimizer sees the global batch, local batch x ranks x accumulation steps: N ranks with B/N samples each
+    take exactly the step one process takes with B. Adding ranks at a fixed local batch therefore grows the global
+    batch: each step's gradient is less noisy (its variance falls as 1/B) and an epoch takes fewer steps, so the
+    learning rate has to follow, e.g. the linear scaling rule with warm-up (Goyal et al. 2017), and past a critical
+    batch size a larger batch stops paying for itself (McCandlish et al. 2018).""")
+def global_batch():
+    r, B, grads = dist.get_rank(), 16, {}
+    x, y = _data(B, 8), _data(B, 4, 1)
+    for n in (1, 2, RANKS):
+        group = launch.new_group(range(n))
+        if r < n:
+            model = ddp.DistributedDataParallel(ddp.mlp([8, 16, 4]).to(launch.device()), group=group)
+            rows = slice(r * B // n, (r + 1) * B // n)
+            F.mse_loss(model(x[rows]), y[rows]).backward()
+            grads[n] = _grads(model)
+    same = _max(max(_diff(grads[n], grads[1]) for n in grads) if r == 0 else 0)
+    data = torch.randn(4096, 8, generator=torch.Generator().manual_seed(3), dtype=f64)  # least squares, w = 0
+    target = data @ torch.ones(8, dtype=f64) + torch.randn(4096, generator=torch.Generator().manual_seed(4), dtype=f64)
+    per_sample, g = -2 * data * target[:, None], torch.Generator().manual_seed(5)  # each sample's gradient at w = 0
+    noise = {b: torch.stack([(per_sample[torch.randperm(4096, generator=g)[:b]].mean(0) - per_sample.mean(0))
+                             .square().sum() for _ in range(400)]).mean().item() for b in (B, RANKS * B)}
+    return (f"a global batch of {B} as 1 x {B}, 2 x {B // 2} or {RANKS} x {B // RANKS} samples: the same gradient to "
+            f"{same:.0e}; {RANKS} ranks x {B} samples is a global batch of {RANKS * B}: the gradient's noise (mean "
+            f"squared distance from the full-data gradient) falls {noise[B] / noise[RANKS * B]:.1f}x, and an epoch "
+            f"takes {RANKS}x fewer steps"), same <= 1e-12 and 3 < noise[B] / noise[RANKS * B] < 5
+
+
+@question(26, "Adding GPUs stopped speeding training up: what are the usual culprits, and what does Amdahl's law "
+          "cap?", "./run.sh demo planner --params 7B --serial 0.05", ranks=RANKS, answer="""
+    At a fixed global batch each added GPU gets less to compute, but its share of communication does not shrink: a
+    ring all-reduce still sends 2(N-1)/N of the gradients per rank, so communication takes a growing share of the
+    step until backward can no longer hide it. The other usual culprits: a batch per GPU too small to keep it busy,
+    pipeline bubbles, stragglers (a slow node, unbalanced experts), and data loading. Amdahl (1967): if a fraction
+    f of the step cannot be split, the speed-up never exceeds 1/f, 20x for f = 5%.""")
+def scaling_stops():
+    D = 4 * (1 << 14)
+    ring = {n: _bytes_sent(ring_all_reduce, n, D // 4)[0] / D for n in (2, RANKS)}
+    growth = (ring[RANKS] * RANKS) / (ring[2] * 2)  # bytes per unit of compute: compute per rank is 1/N
+    speedup = {n: cost_model.amdahl(0.05, n) for n in (8, 64, 256)}
+    return (f"a fixed global batch on 2 -> {RANKS} ranks: compute per rank halves, ring bytes per rank go "
+            f"{ring[2]:.2f}D -> {ring[RANKS]:.2f}D: communication per unit of compute x{growth:.1f}; Amdahl with 5% "
+            f"serial: " + ", ".join(f"{s:.1f}x on {n} GPUs" for n, s in speedup.items())
+            + f", never {1 / 0.05:.0f}x"), ring == {2: 1.0, RANKS: 2 * (RANKS - 1) / RANKS} and speedup[256] < 20
+
+
+@question(27, "How do data, tensor, pipeline, context and expert parallelism combine, and which axis goes "
+          "innermost?", "./run.sh demo train_5d 8 --dp 2 --pp 2 --tp 2", ranks=RANKS, answer="""
+    They multiply: the world is a dp x pp x cp x tp grid of ranks, each rank in one group per axis, and expert
+    parallelism reuses the ranks of dp x cp (torchtitan, Megatron-LM). The axis that talks most often, and cannot
+    overlap its talk with compute, goes innermost on the fastest links: TP (activations in every layer), then CP
+    (K/V blocks in every layer, to a neighbour), then PP (one activation per microbatch), and DP outermost (one
+    gradient reduction per step, hidden behind backward). However they are combined, the result must equal one
+    process on the whole batch.""")
+def five_axes():
+    from mini_dist import mesh, parallel_gpt, train_5d  # here: the other 27 answers do not need them to import
+    cfg = parallel_gpt.Config(vocab=parallel_gpt.padded_vocab(2), layers=2, hidden=16, heads=2, seq=8, batch=4)
+    run = train_5d.train_5d(cfg, mesh.Mesh(dp=2, tp=2), steps=1)
+    diff = abs(run.losses[0] - parallel_gpt.train_dense(cfg, 1)[0])
+    sent, calls = run.bytes[-1], comm.COUNTER.calls["all_reduce"]
+    grid = mesh.RankGrid(dp=2, pp=2, cp=2, tp=2)
+    groups = ", ".join(f"{a} {grid.groups(a)[0]}" for a in ("tp", "cp", "pp", "dp"))
+    big = cost_model.evaluate(cost_model.Model(7 * 10 ** 9, 32, 4096, 32, 4096),
+                              cost_model.Plan(8, tp=8, microbatches=8), cost_model.Cluster(64)).traffic
+    return (f"a tiny GPT on dp 2 x tp 2, one step = one process to {diff:.0e}; rank 0 moved per step: TP "
+            f"{sent['tp']:,} B in {calls} blocking all-reduces (blocks, embedding and loss, forward and backward), DP "
+            f"{sent['dp']:,} B "
+            f"once per step, during backward; a 7B model as TP 8 x DP 8 with 8 microbatches of 4096 tokens: TP "
+            f"{big['tp'] / 1e9:.0f} GB per GPU per step, DP {big['dp'] / 1e9:.1f} GB (cost model); in a "
+            f"dp 2 x pp 2 x cp 2 x tp 2 grid rank 0's groups are {groups}: the chattiest axis on the nearest ranks"), \
+        diff <= 1e-13 and calls > 1 and grid.groups("tp")[0] == [0, 1] and big["tp"] > 10 * big["dp"]
+
+
+@question(28, "What fails in multi-node training, and how does a job notice a dead or disagreeing rank?",
+          "./run.sh demo debug 3", ranks=RANKS, answer="""
+    A rank can die (a lost GPU, an out-of-memory, a preempted node), hang, or call a collective with other shapes
+    than its peers. The last is the most dangerous: with the same number of elements the sum runs and mixes
+    unrelated data, silently. Agreeing before communicating (TORCH_DISTRIBUTED_DEBUG=DETAIL; MINI_DIST_DEBUG=1
+    here) names the rank at fault; a timeout on every process group turns a dead peer into an error instead of a
+    hang, gloo's monitored_barrier names the ranks that never arrived, and torchrun restarts the group from the last
+    complete checkpoint (mini_dist/recovery.py).""")
+def disagreeing_rank():
+    n, r, dev = dist.get_world_size(), dist.get_rank(), launch.device()
+    shape = (3, 2, 6) if r == 1 else (2, 3, 6)  # [batch, seq, hidden]: the same number of tokens
+    b, t = torch.meshgrid(torch.arange(shape[0]), torch.arange(shape[1]), indexing="ij")
+    x = (10.0 * b + t).unsqueeze(-1).expand(shape).to(dev)  # token (b, t) holds 10b + t on every rank
+    before, named = debug.DEBUG, ""
+    try:
+        debug.DEBUG = False
+        silent = comm.g(x)
+        debug.DEBUG = True
+        try:
+            comm.g(x)
+        except debug.Disagreement as e:
+            named = str(e)
+    finally:
+        debug.DEBUG = before
+    wrong = (silent != n * x).any(-1).nonzero()
+    at = tuple(wrong[0].tolist()) if len(wrong) else (0, 0)
+    # the last rank never arrives (dead, or hung): a barrier with a timeout names it instead of waiting forever
+    group, missing = dist.new_group(list(range(n)), timeout=datetime.timedelta(seconds=1), backend="gloo"), ""
+    if r < n - 1:
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet), _fd2_to(quiet):
+            try:
+                dist.monitored_barrier(group, timeout=datetime.timedelta(seconds=1), wait_all_ranks=True)
+            except RuntimeError as e:
+                missing = str(e).split("]: ")[-1]
+    dist.barrier()
+    found = "rank 1 calls" in named and "(3, 2, 6)" in named and (r > 0 or f"Ranks {n - 1} failed" in missing)
+    return (f"rank 1 passes its tokens as [3, 2, 6], the others as [2, 3, 6]: unchecked, the all-reduce runs and "
+            f"rank 0's token {at} reads {silent[at][0].item():g} instead of {n * x[at][0].item():g}; checked "
+            f"(MINI_DIST_DEBUG=1), every rank raises a Disagreement naming rank 1 and both shapes; rank {n - 1} never "
+            f"reaching a barrier with a 1 s timeout: rank 0 raises '{missing}'"), \
+        len(wrong) > 0 and _max(not found) == 0
+
+
+@contextlib.contextmanager
+def _fd2_to(file):
+    """gloo logs its errors from C++ straight to file descriptor 2: point it at `file` for a while."""
+    saved = os.dup(2)
+    os.dup2(file.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+# ----------------------------------------------------------------------------- running them
+
+def measure(number: int) -> tuple[str, bool]:
+    """Question `number`'s figure and whether it holds, on this rank (every rank of its group calls this)."""
+    figure, holds = QUESTIONS[number].measure()
+    return figure, bool(holds)
+
+
+def combine(replies: list) -> tuple[str, bool]:
+    """Every rank's (figure, holds) -> rank 0's figure, and whether it held on every rank."""
+    return replies[0][0], all(holds for _, holds in replies)
+
+
+def _rank(rank: int, world: int, port: int, conn) -> None:
+    """A rank of the pool: join the group, then measure each question number it is sent (None: leave)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MINI_DIST_TIMEOUT=RANK_TIMEOUT_S)
+    torch.set_num_threads(1)  # RANKS ranks on a few cores: intra-op threads would only fight each other
+    launch.setup(os.environ.get("MINI_DIST_BACKEND", "gloo"))
+    while (number := conn.recv()) is not None:
+        try:
+            conn.send(("ok", measure(number)))
+        except Exception as e:  # noqa: BLE001  every failure is reported, named by its rank
+            conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+    launch.shutdown()
+
+
+class Ranks:
+    """RANKS processes in one group, started on the first question that needs them and kept for the next;
+    a question that fails or runs past QUESTION_TIMEOUT_S ends them (the next question starts a fresh group)."""
+
+    def __init__(self, world: int = RANKS):
+        self.world, self.procs, self.conns = world, [], []
+
+    def ask(self, number: int) -> list:
+        if not self.procs:
+            context = get_context("forkserver")  # one server imports torch once; the ranks fork from it
+            context.set_forkserver_preload(["torch", "torch.distributed", "mini_dist.questions"])
+            port = launch.free_port()
+            for rank in range(self.world):
+                mine, theirs = context.Pipe()
+                self.procs.append(context.Process(target=_rank, args=(rank, self.world, port, theirs), daemon=True))
+                self.procs[-1].start()
+                self.conns.append(mine)
+        for conn in self.conns:
+            conn.send(number)
+        replies, deadline = {}, time.monotonic() + QUESTION_TIMEOUT_S
+        while len(replies) < self.world and time.monotonic() < deadline:
+            waiting = {c: r for r, c in enumerate(self.conns) if r not in replies}
+            waiting.update({self.procs[r].sentinel: r for r in waiting.values()})
+            for ready in connection.wait(list(waiting), deadline - time.monotonic()):
+                rank = waiting[ready]
+                try:
+                    replies[rank] = self.conns[rank].recv()
+                except (EOFError, OSError):
+                    replies[rank] = ("error", f"rank {rank} died (exit code {self.procs[rank].exitcode})")
+        problems = [value for kind, value in replies.values() if kind != "ok"]
+        problems += [f"rank {r}: no answer after {QUESTION_TIMEOUT_S} s" for r in range(self.world) if r not in replies]
+        if problems:
+            self.stop(graceful=False)
+            raise RuntimeError("; ".join(problems))
+        return [replies[r][1] for r in range(self.world)]
+
+    def stop(self, graceful: bool = True) -> None:
+        for conn in self.conns if graceful else ():
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for p in self.procs:
+            p.join(timeout=10 if graceful else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.procs, self.conns = [], []
+
+
+def ask(number: int, ranks: Ranks) -> tuple[str, bool]:
+    """Measure question `number`: in this process, or on the ranks. A failure is a figure that does not hold."""
+    q = QUESTIONS[number]
+    try:
+        return combine(ranks.ask(number)) if q.ranks > 1 else measure(number)
+    except Exception as e:  # noqa: BLE001
+        return f"could not measure: {type(e).__name__}: {e}", False
+
+
+def wrap(text: str, indent: str = "   ") -> str:
+    return textwrap.fill(text, 112, initial_indent=indent, subsequent_indent=indent)
+
+
+def page(figures: dict) -> str:
+    """The markdown page: every question in `figures` ({number: figure}) with its answer and command."""
+    escape = lambda s: s.replace("*", r"\*").replace("_", r"\_").replace("<", "&lt;")  # noqa: E731
+    out = ["## Questions answered by measurement", "",
+           "Each question below has a short answer and the figure that settles it. The figures were measured by "
+           "running the modules' own functions when this page was made (`python -m mini_dist.questions "
+           f"--markdown`, {RANKS} gloo ranks on the CPU); `./run.sh ask N` measures question N again in seconds, "
+           "and the demo named with it shows the whole story.", ""]
+    for number, figure in sorted(figures.items()):
+        q = QUESTIONS[number]
+        out += [f"### {number}. {q.question}", "", escape(q.answer), "",
+                f"Shown in full by `{q.command}`. Measured (`./run.sh ask {number}`): {escape(figure)}", ""]
+    return "\n".join(out)
+
+
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("numbers", type=int, nargs="*", help="questions to measure (none: list them)")
+    p.add_argument("--all", action="store_true", help="measure every question")
+    p.add_argument("--markdown", action="store_true", help="measure, then print the page in markdown")
+    return p
+
+
+def demo(args) -> int:
+    launch.require(launch.env_world_size() == 1, "run it as python -m mini_dist.questions (or ./run.sh ask): it "
+                                                 f"starts its own {RANKS} ranks, not under torchrun")
+    unknown = [n for n in args.numbers if n not in QUESTIONS]
+    launch.require(not unknown, f"no question {', '.join(map(str, unknown))}: choose from 1 to {len(QUESTIONS)}")
+    numbers = args.numbers or (sorted(QUESTIONS) if args.all or args.markdown else [])
+    if not numbers:
+        print("\n".join(f"{n:>3}. {q.question}" for n, q in QUESTIONS.items()))
+        print(f"\n./run.sh ask N [N ...] measures the figure that answers question N ({RANKS} ranks where needed)")
+        return 0
+    ranks, figures, failed = Ranks(), {}, []
+    atexit.register(ranks.stop)
+    for n in numbers:
+        q = QUESTIONS[n]
+        figures[n], holds = ask(n, ranks)
+        failed += [n] * (not holds)
+        if not args.markdown:
+            print(f"{n}. {q.question}\n{wrap(q.answer)}\n   shown in full by: {q.command}\n"
+                  f"{wrap(('measured: ' if holds else 'OFF: ') + figures[n])}\n", flush=True)
+    ranks.stop()
+    if args.markdown:
+        print(page(figures))
+    if failed:
+        print(f"figures off: questions {', '.join(map(str, failed))}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    # The ranks unpickle their functions from mini_dist.questions, imported by name. Without a __spec__ here,
+    # multiprocessing prepares them from this file's path instead of re-running `-m mini_dist.questions` as
+    # their __main__ (which runpy warns about: the module is already imported by then).
+    __spec__ = None
+    from mini_dist import questions
+    raise SystemExit(launch.main(questions.parser(), questions.demo))
