@@ -483,7 +483,7 @@ def gpipe_vs_1f1b():
     v times less: (P-1)/(v*M+P-1), paid with v times the messages. Zero bubble (Qi et al. 2023) splits each backward
     into B, the input's gradient that the previous stage waits for, and W, the weights' gradient that nobody waits
     for, and fills the drain with the deferred W's: ZB-H1 reaches (P-1)/(3M+P-1) when F = B = W, with 1F1B's
-    memory.""")
+    peak memory.""")
 def interleaved_and_zero_bubble():
     P, M, v, seen = 4, 8, 2, {}
     for name, chunks in (("1f1b", 1), ("interleaved", v), ("zero_bubble", 1)):
