@@ -213,7 +213,7 @@ def demo(args) -> int:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     launch.print0(f"restarted{f' by torchrun (restart {attempt} of {restarts})' if restarts else ''}: resumed from "
                   f"{'step ' + str(start) if newest else 'the start (no complete checkpoint yet)'}, "
-                  f"{args.kill_at - 1 - start} steps lost\n step  uninterrupted  resumed  naive restart (fresh RNG, "
+                  f"steps lost: {args.kill_at - 1 - start}\n step  uninterrupted  resumed  naive restart (fresh RNG, "
                   f"epoch started over)")
     for i, (a, b, c) in enumerate(zip(losses, resumed_losses, naive_losses)):
         mark = " <- resumed here" if i + 1 == start else " <- the rank died before this step" if (
