@@ -486,11 +486,17 @@ def test_a_rank_killed_mid_training_and_restarted_by_torchrun_ends_with_the_unin
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     try:
-        result = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                                 "--monitor-interval=0.1", recovery.__file__, *RECOVERY, "--dir", directory],
-                                capture_output=True, text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
-        assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-        assert "restarted by torchrun (restart 1 of 1): resumed from step 4" in result.stdout, result.stdout
+        job = subprocess.Popen([torchrun, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+                                "--monitor-interval=0.1", recovery.__file__, *RECOVERY, "--dir", directory],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**env, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        try:
+            out, err = job.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, 9)  # torchrun and the ranks it started: none outlives the test
+            out, err = job.communicate()
+        assert job.returncode == 0, out + err[-4000:]
+        assert "restarted by torchrun (restart 1 of 1): resumed from step 4" in out, out
         assert sorted(os.listdir(directory)) == ["step_00000004", "step_00000006"]  # --keep 2
         for start, same_parameters, same_losses in run(2, final_beside_uninterrupted, directory, RECOVERY):
             assert start == 6 and same_parameters and same_losses
