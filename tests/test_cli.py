@@ -40,6 +40,7 @@ BAD = {
     "pipeline": (2, ["--width", "0"], "--width"),
     "pipeline_bubble": (2, ["--stage-ms", "0"], "--stage-ms"),
     "pipeline_schedules": (2, ["--microbatches", "0"], "--microbatches"),
+    "questions": (1, ["99"], "99"),
     "recovery": (2, ["--kill-at", "0"], "--kill-at"),
     "reducer": (2, ["--batch", "0"], "batch"),
     "reshard": (3, ["--width", "4"], "--width"),
@@ -151,4 +152,16 @@ def test_readme_lists_every_module_with_its_demo_and_line_count():
         assert row is not None, f"README's module table has no row for {module}.py"
         assert row.split("|")[2].strip() == str(lines), f"README says {row.split('|')[2].strip()} lines for " \
                                                          f"{module}.py, the file has {lines}"
-        assert f"demo {module}" in row, row
+        assert f"demo {module}" in row or (module == "questions" and "./run.sh ask" in row), row
+
+
+def test_every_questions_command_is_a_demo_its_parser_accepts_and_the_readme_asks_every_question():
+    import shlex
+    from mini_dist import questions
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    for q in questions.QUESTIONS.values():
+        words = shlex.split(q.command)
+        assert words[:2] == ["./run.sh", "demo"] and words[2] in DEMOS + ["planner"], q.command
+        args = words[4:] if len(words) > 3 and words[3].isdigit() else words[3:]
+        importlib.import_module(f"mini_dist.{words[2]}").parser().parse_args(args)  # SystemExit if not
+        assert f"### {q.number}. {q.question}" in readme, f"README does not ask question {q.number}"
