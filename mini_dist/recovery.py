@@ -165,7 +165,8 @@ def train(args, save_to: str | None = None, resume_from: str | None = None, cras
             checkpoint.save(state, os.path.join(save_to, f"step_{step:08d}"), group)
             if rank == 0:
                 prune(save_to, args.keep)
-    return [d.detach().clone() for v in state_of().values() if isinstance(v, Sharded) for _, d in v.boxes], losses, start
+    mine = [d.detach().clone() for v in state_of().values() if isinstance(v, Sharded) for _, d in v.boxes]
+    return mine, losses, start
 
 
 # ----------------------------------------------------------------------------- demo

@@ -97,7 +97,8 @@ def boxes(state, name) -> list:
     v = state[name]
     if not isinstance(v, (Sharded, torch.Tensor)):
         return []
-    return [(name, list(o), list(d.shape), d) for o, d in (v.boxes if isinstance(v, Sharded) else [((0,) * v.dim(), v)])]
+    pieces = v.boxes if isinstance(v, Sharded) else [((0,) * v.dim(), v)]
+    return [(name, list(o), list(d.shape), d) for o, d in pieces]
 
 
 layouts = st.sampled_from(["rows", "flat", "cols", "whole"])
