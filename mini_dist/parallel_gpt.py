@@ -279,8 +279,9 @@ def parser():
 
 def configuration_error(cfg: Config, grid) -> str | None:
     """Why this model cannot be cut over this grid, in one sentence saying what to change, or None."""
-    if min(cfg.layers, cfg.hidden, cfg.heads, cfg.seq) < 1 or cfg.experts < 0:
-        return "--layers, --hidden, --heads and --seq must be at least 1, --moe at least 0"
+    if min(cfg.layers, cfg.hidden, cfg.heads, cfg.seq) < 1 or cfg.experts < 0 or cfg.seq > len(CORPUS) - 2:
+        return (f"--layers, --hidden, --heads and --seq must be at least 1, --moe at least 0, --seq at most "
+                f"{len(CORPUS) - 2} (windows of the corpus)")
     if cfg.hidden % cfg.heads or cfg.heads % grid.tp:
         heads = -(-cfg.heads // grid.tp) * grid.tp
         return (f"--heads {cfg.heads} must divide --hidden {cfg.hidden} and be a multiple of --tp {grid.tp} (each "
@@ -289,21 +290,19 @@ def configuration_error(cfg: Config, grid) -> str | None:
         return (f"--seq {cfg.seq} must be a multiple of 2 x cp = {2 * grid.cp}: the zigzag layout cuts each sequence "
                 f"into 2C equal chunks, two per context-parallel rank")
     if cfg.experts % grid.ep or (grid.ep > 1 and not cfg.experts):
-        return (f"--ep {grid.ep} must divide the {cfg.experts} experts (--moe E): each expert-parallel rank holds "
-                f"E/ep whole experts")
+        return (f"--ep {grid.ep} must divide the experts, --moe {cfg.experts}: each expert-parallel rank holds "
+                f"E/ep whole experts: try --moe {-(-max(cfg.experts, 1) // grid.ep) * grid.ep}")
+    if cfg.batch % grid.dp:
+        return f"the global batch of {cfg.batch} sequences must split into dp = {grid.dp} equal replica batches"
     if cfg.experts and not 1 <= cfg.top_k <= cfg.experts:
         return f"top-{cfg.top_k} routing needs at least {cfg.top_k} experts: use --moe {cfg.top_k} or more"
     return None
 
 
-def demo(args) -> int:
-    grid = grid_for(launch.env_world_size(), dp=1, pp=1, cp=args.cp, tp=args.tp, ep=args.ep)
-    cfg = Config(vocab=padded_vocab(grid.tp), layers=args.layers, hidden=args.hidden, heads=args.heads,
-                 seq=args.seq, batch=2, experts=args.moe, checkpoint=args.checkpoint)
-    problem = configuration_error(cfg, grid)
-    launch.require(problem is None, problem)
-    launch.setup()
-    mesh = Mesh(cp=grid.cp, tp=grid.tp, ep=grid.ep)
+def step_against_dense(cfg: Config, mesh: Mesh):
+    """One forward + backward of this rank's shard on its tokens beside the dense model on the whole batch.
+    Returns the largest difference (the loss and every gradient), then (measured, formula) pairs: the bytes
+    each axis moved, and the bytes of parameters, gradients and saved activations (the planner's)."""
     model, dense = parallel_model(cfg, mesh), dense_model(cfg)
     ids, targets = local_batch(cfg, mesh, 0)
     COUNTER.reset()
@@ -316,30 +315,48 @@ def demo(args) -> int:
     off, received = (sum(r) for r in zip((0, 0), *(routed_rows(m, mesh.coords["ep_index"]) for m in moe)))
     held = {"params": sum(8 * p.numel() for p in model.parameters()),
             "grads": sum(8 * p.grad.numel() for p in model.parameters()), "activations": saved.peak}
-    whole = F.cross_entropy(dense(get_batch(cfg, 0)[0]).flatten(0, 1), get_batch(cfg, 0)[1].flatten())
+    ids, targets = get_batch(cfg, 0)
+    whole = F.cross_entropy(dense(ids).flatten(0, 1), targets.flatten())
     whole.backward()
-    mean_loss = all_reduce(loss.detach(), mesh.dp_cp_group) / grid.cp
+    mean_loss = all_reduce(loss.detach(), mesh.dp_cp_group) / (mesh.grid.dp * mesh.grid.cp)
     average_gradients(model, mesh)
     gathered = gather_to_dense(model, dense_model(cfg), mesh)
-    diffs = [(mean_loss - whole).abs()] + [(p.grad - q.grad).abs().max() for p, q in
-                                           zip(gathered.parameters(), dense.parameters())]
-    worst = max(d.item() for d in diffs)
-    plan = Plan(dp=1, cp=grid.cp, tp=grid.tp, ep=grid.ep, checkpoint=cfg.checkpoint, micro_batch=cfg.batch,
+    worst = max([(mean_loss - whole).abs().item()] + [(p.grad - q.grad).abs().max().item() for p, q in
+                                                      zip(gathered.parameters(), dense.parameters())])
+    g = mesh.grid
+    plan = Plan(dp=g.dp, cp=g.cp, tp=g.tp, ep=g.ep, checkpoint=cfg.checkpoint, micro_batch=cfg.batch // g.dp,
                 precision="fp64")
-    layers = [kind(layer) for layer in model]
+    layers, e = [kind(layer) for layer in model], torch.finfo(cfg.dtype).bits // 8
     numel = sum(sum(gpt_layer_numel(cfg.model(), plan, k)) for k in layers)
-    planned = {"params": 8 * numel, "grads": 8 * numel,
+    planned = {"params": e * numel, "grads": e * numel,
                "activations": gpt_activation_bytes(cfg.model(), plan, layers, received)}
+    return worst, (sent, gpt_step_traffic(cfg.model(), plan, cfg.layers, True, True, off)), (held, planned)
+
+
+def demo(args) -> int:
+    world, cp, tp = launch.env_world_size(), args.cp, args.tp
+    launch.require(all(d is None or d >= 1 for d in (cp, tp)), "--cp and --tp must be at least 1")
+    tp = tp if tp is not None else world // cp if cp and world % cp == 0 else 2 - world % 2
+    cp = cp if cp is not None else max(world // tp, 1)
+    launch.require(cp * tp == world, f"--cp {cp} x --tp {tp} = {cp * tp} ranks, but the world has {world}: one "
+                                     f"model is cut over cp x tp ranks here, choose them with a product of {world}")
+    grid = grid_for(world, dp=1, pp=1, cp=cp, tp=tp, ep=args.ep)
+    cfg = Config(vocab=padded_vocab(grid.tp), layers=args.layers, hidden=args.hidden, heads=args.heads,
+                 seq=args.seq, batch=2, experts=args.moe, checkpoint=args.checkpoint)
+    problem = configuration_error(cfg, grid)
+    launch.require(problem is None, problem)
+    launch.setup()
+    worst, traffic, memory = step_against_dense(cfg, Mesh(cp=grid.cp, tp=grid.tp, ep=grid.ep))
     rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, (sent, gpt_step_traffic(cfg.model(), plan, cfg.layers, True, True, off), held, planned))
+    dist.all_gather_object(rows, (traffic, memory))
     launch.print0(f"tiny GPT: {cfg.layers} blocks, h={cfg.hidden}, {cfg.heads} heads, s={cfg.seq}, batch 2, "
                   f"{f'MoE {cfg.experts} experts top-{cfg.top_k}' if cfg.experts else 'MLP'}"
                   f"{', checkpointed blocks' if cfg.checkpoint else ''}; cp {grid.cp} x tp {grid.tp}, ep {grid.ep}, "
                   f"fp64\n|loss - dense| and max |grad - dense| over every weight: {worst:.1e}\n"
                   f"bytes each rank moved, forward + backward: measured = the docstring's formulas\n"
-                  + table([r[:2] for r in rows], ("tp", "cp", "ep")) + "\nmemory per rank, bytes: measured = planner "
-                  "(mini_dist/cost_model.py)\n" + table([r[2:] for r in rows], ("params", "grads", "activations")))
-    exact = all(a == b for r in rows for a, b in (r[:2], r[2:]))
+                  + table([t for t, _ in rows], ("tp", "cp", "ep")) + "\nmemory per rank, bytes: measured = planner "
+                  "(mini_dist/cost_model.py)\n" + table([m for _, m in rows], ("params", "grads", "activations")))
+    exact = all(a == b for pairs in rows for a, b in pairs)
     return launch.conclude("parallel_gpt", worst < 1e-12, f"= dense GPT ({worst:.0e})", exact,
                            "bytes per axis = formulas, memory = planner")
 

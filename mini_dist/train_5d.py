@@ -106,6 +106,7 @@ class Run:
     stages: list         # the virtual stage of each chunk
     local_batch: int
     peak_live: int       # most microbatches x chunks whose activations this rank held at once
+    numels: list         # per layer of its chunks: elements (replicated over dp x cp, experts over edp)
 
 
 class Trainer:
@@ -123,6 +124,8 @@ class Trainer:
         self.plan = SCHEDULES[schedule](P, microbatches, chunks)
         experts = [(n, p) for c in self.chunks for n, p in c.named_parameters() if grid.ep > 1 and is_expert(p)]
         dense = [[(n, p) for n, p in c.named_parameters() if not (grid.ep > 1 and is_expert(p))] for c in self.chunks]
+        self.numels = [[sum(p.numel() for p in layer.parameters() if (grid.ep > 1 and is_expert(p)) == x)
+                        for x in (False, True)] for c in self.chunks for layer in c]  # (replicated, experts)
         self.stage, self.no_sync, self.optimizers, self.fsdp = self.chunks, None, [], []
         if zero == 3:
             self.stage = self.fsdp = [FullyShardedDataParallel(c, group=mesh.dp_cp_group) for c in self.chunks]
@@ -203,7 +206,8 @@ def train_5d(cfg: Config, mesh: Mesh, steps: int, microbatches: int = 1, schedul
         losses.append(mine.item())
     layout = [[kind(layer) for layer in c] for c in trainer.chunks]
     stages = [c * grid.pp + mesh.pp_rank for c in range(chunks)]
-    return Run(losses, sent, trainer.routed, memory, layout, stages, cfg.batch // grid.dp, stats.peak_live)
+    return Run(losses, sent, trainer.routed, memory, layout, stages, cfg.batch // grid.dp, stats.peak_live,
+               trainer.numels)
 
 
 def predictions(run: Run, cfg: Config, mesh: Mesh, microbatches: int, schedule: str, zero: int) -> tuple[dict, dict]:
@@ -250,7 +254,7 @@ def parser():
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="0 DDP, 1-2 ZeRO, 3 FSDP on dp x cp")
     p.add_argument("--checkpoint", action="store_true", help="recompute each block in backward")
     p.add_argument("--steps", type=int, default=4)
-    for name in ("layers", "hidden", "heads"):
+    for name in ("layers", "hidden", "heads", "seq"):
         p.add_argument(f"--{name}", type=int, default=getattr(Config, name), help=f"the model's {name}")
     return p
 
@@ -259,7 +263,7 @@ def demo(args) -> int:
     world, M = launch.env_world_size(), args.microbatches
     grid = grid_for(world, args.dp, args.pp, args.cp, args.tp, args.ep, default_pp=2)
     launch.require(M >= 1 and args.chunks >= 1 and args.steps >= 1, "--microbatches, --chunks, --steps must be >= 1")
-    cfg = Config(vocab=padded_vocab(grid.tp), layers=args.layers, hidden=args.hidden, heads=args.heads,
+    cfg = Config(vocab=padded_vocab(grid.tp), layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
                  batch=-(-8 // (grid.dp * M)) * grid.dp * M, experts=args.moe, checkpoint=args.checkpoint)
     problem = configuration_error(cfg, grid, M, args.schedule, args.chunks, args.zero)
     launch.require(problem is None, problem)
