@@ -1,40 +1,36 @@
 """A tiny GPT written once, dense or cut along three axes at once: tensor, context and expert parallelism.
 
-The model: token + position embedding, L pre-norm blocks x + attn(ln1(x)) + ffn(ln2(x)), final layer norm
-and LM head, on a character corpus shipped here. The dense model is built from PyTorch's own layers (an
-nn.MultiheadAttention, an MLP, or a mixture of experts in one process); the parallel one from mini_dist's,
-with the same parameter names, so that it starts as an exact shard of the dense one. Each axis cuts one
-thing, over its group of the mesh (mini_dist/mesh.py):
+Token + position embedding, L pre-norm blocks x + attn(ln1(x)) + ffn(ln2(x)), a final layer norm and an LM
+head, on a character corpus shipped here. The dense model is PyTorch's own layers (nn.MultiheadAttention, an
+MLP or a mixture of experts in one process); the parallel one is mini_dist's, with the same parameter names,
+so it starts as an exact shard of the dense one. Each axis cuts one thing, over its group of the mesh
+(mini_dist/mesh.py):
 
     TP  (tensor_parallel, vocab_parallel)   every weight matrix: heads, MLP columns/rows, vocabulary rows
-    CP  (context_parallel)                  the sequence: S/C tokens per rank (zigzag), ring attention
-    EP  (expert_parallel)                   the experts of the mixture: E/ep per rank, tokens by all-to-all
+    CP  (context_parallel)                  the sequence: s/C tokens per rank (zigzag), ring attention
+    EP  (expert_parallel)                   the experts: E/ep per rank, their tokens moved by all-to-all
 
-A rank's tokens are its data-parallel slice of the batch (b sequences) and its context-parallel part of
-each (s/C of s tokens). What one rank moves for one forward + backward, e bytes an element, n_T = 2
-all-reduces per block if the feed-forward is a mixture of experts (not cut by TP here: every TP rank routes
-the same tokens), 4 if it is the MLP:
+What one rank moves for one forward + backward of b sequences of s/C tokens, e bytes an element; n_T = 4
+all-reduces per block with an MLP, 2 with experts (not cut by TP: every TP rank routes the same tokens):
 
     TP  payload  [n_T*L + embedding + head] * b*(s/C)*h*e  +  3*b*(s/C)*e        (loss: a max, two sums)
-    CP  sent     6*(C-1) * b*(s/C)*(h/T)*e per block     (K and V blocks C-1 hops forward; again with dK,
-                                                          dV backward)
-    EP  sent     2 * sum over MoE blocks of (rows sent to other ranks + rows they sent me) * h*e
+    CP  sent     6*(C-1) * b*(s/C)*(h/T)*e per block   (K, V: C-1 hops forward; again with dK, dV backward)
+    EP  sent     2 * (rows sent to other ranks + rows they sent me) * h*e, summed over the MoE blocks
 
---checkpoint wraps each block in mini_dist.activation_checkpoint.checkpoint_module: it keeps the block's
-input only and reruns the block's forward in backward, collectives included: n_T -> 1.5*n_T all-reduces,
-6 -> 8 CP hops, 2 -> 3 all-to-all trips per block (Korthikanti et al. 2022 count the same 6 for TP).
+--checkpoint (activation_checkpoint.checkpoint_module on each block) keeps a block's input only and reruns
+its forward in backward, collectives included: n_T -> 1.5*n_T, 6 -> 8 CP hops, 2 -> 3 all-to-all trips
+(Korthikanti et al. 2022 count the same 6 all-reduces for TP).
 
-Experts are routed with no capacity limit and trained without the auxiliary load-balancing loss: both
-depend on which tokens are routed together (each rank's microbatch is a GShard group: expert_parallel.py),
-so a run would no longer equal one process on the whole batch. With neither, each token's routing is its
-own and the layer equals the one-process MoE whatever the grouping. (Megatron-LM adds the aux loss of every
-layer through an autograd function, MoEAuxLossAutoScaler, that injects its gradient in backward.)
+Experts route with no capacity limit and train without the auxiliary load-balancing loss: both depend on
+which tokens are routed together (each rank's tokens are one GShard group: expert_parallel.py), so a run
+would no longer equal one process on the whole batch; without them each token's routing is its own.
 
-Demo (one forward + backward on cp x tp ranks against the dense model; bytes per axis beside formulas):
+Demo (one forward + backward against the dense model; bytes per axis beside the formulas, memory per rank
+beside the planner's, mini_dist/cost_model.py):
 
     torchrun --standalone --nproc_per_node=4 mini_dist/parallel_gpt.py --cp 2 --tp 2 --moe 4 --ep 2
 
-Mirrors the model side of torchtitan (parallelize_llama: TP plan, context_parallel, expert parallel MoE).
+Mirrors the model side of torchtitan (parallelize_llama: TP plan, context_parallel, expert-parallel MoE).
 """
 import sys
 from dataclasses import dataclass
@@ -47,11 +43,10 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import expert_parallel, launch, tensor_parallel  # noqa: E402
+from mini_dist import cost_model, expert_parallel, launch, tensor_parallel  # noqa: E402
 from mini_dist.activation_checkpoint import checkpoint_module  # noqa: E402
 from mini_dist.comm import COUNTER, all_reduce  # noqa: E402
 from mini_dist.context_parallel import ring_attention  # noqa: E402
-from mini_dist.cost_model import Model, Plan, gpt_activation_bytes, gpt_layer_numel, gpt_step_traffic  # noqa: E402
 from mini_dist.expert_parallel import MoE, ExpertParallelMoE  # noqa: E402
 from mini_dist.measure import PeakSaved  # noqa: E402
 from mini_dist.mesh import Mesh, grid_for  # noqa: E402
@@ -90,9 +85,10 @@ class Config:
     seed: int = 0
     dtype: torch.dtype = torch.float64
 
-    def model(self) -> Model:
+    def model(self) -> cost_model.Model:
         """The cost model's view of this GPT (mini_dist/cost_model.py predicts its bytes and memory)."""
-        return Model(0, self.layers, self.hidden, self.heads, self.seq, self.vocab, self.experts, self.top_k)
+        return cost_model.Model(0, self.layers, self.hidden, self.heads, self.seq, self.vocab, self.experts,
+                                self.top_k)
 
 
 def get_batch(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,12 +151,6 @@ class ContextParallelAttention(ParallelAttention):
         return self.out_proj(out.transpose(1, 2).flatten(2))
 
 
-def drop_aux_graph(moe, inputs, output):
-    """The auxiliary loss is not trained here: free its graph now, not when the layer's next call replaces it
-    (with several microbatches in flight, the last one's would stay alive beside theirs)."""
-    moe.aux_loss = moe.aux_loss.detach()
-
-
 def tiny_gpt(cfg: Config, mesh: Mesh | None = None, device=None) -> nn.Sequential:
     """The model, written once. mesh=None: dense, PyTorch's layers; else mini_dist's over the mesh's tp, cp
     and ep groups, with the same parameter names. A flat nn.Sequential, so that a pipeline can cut it."""
@@ -179,7 +169,9 @@ def tiny_gpt(cfg: Config, mesh: Mesh | None = None, device=None) -> nn.Sequentia
         if cfg.experts:
             block.mlp = MoE(h, 4 * h, cfg.experts, cfg.top_k, **kw) if mesh is None else \
                 ExpertParallelMoE(h, 4 * h, cfg.experts, cfg.top_k, group=mesh.ep_group, **kw)
-            block.mlp.register_forward_hook(drop_aux_graph)
+            # the aux loss is not trained: drop its graph now, not at the layer's next call (else, in a pipeline,
+            # one microbatch's graph would stay alive beside the next one's activations)
+            block.mlp.register_forward_hook(lambda moe, *_: setattr(moe, "aux_loss", moe.aux_loss.detach()))
         if mesh is not None and cp is not None:
             block.attn = ContextParallelAttention(h, cfg.heads, cp, group=tp, **kw)
         if mesh is not None and cfg.checkpoint:
@@ -187,25 +179,25 @@ def tiny_gpt(cfg: Config, mesh: Mesh | None = None, device=None) -> nn.Sequentia
     return nn.Sequential(embedding, *blocks, head)
 
 
-def parts(model: nn.Sequential, dense: nn.Sequential):
-    """(part, its dense twin, the module that moves weights between them, its group): every parameter once."""
+def parts(model: nn.Sequential, dense: nn.Sequential, mesh: Mesh):
+    """(part, its dense twin, the module that moves weights between them, over which group): each weight once."""
     for layer, whole in zip(model, dense):
-        twins = dict(whole.named_children())
         for name, part in layer.named_children():
-            yield part, twins[name], expert_parallel if isinstance(part, ExpertParallelMoE) else tensor_parallel
+            axis = expert_parallel if isinstance(part, ExpertParallelMoE) else tensor_parallel
+            yield part, getattr(whole, name), axis, mesh.ep_group if axis is expert_parallel else mesh.tp_group
 
 
 def shard_from_dense(model: nn.Sequential, dense: nn.Sequential, mesh: Mesh) -> nn.Sequential:
     """Copy this rank's shard of every dense weight: TP slices, this rank's experts, the rest whole."""
-    for part, twin, axis in parts(model, dense):
-        axis.shard_from_dense(part, twin, mesh.ep_group if axis is expert_parallel else mesh.tp_group)
+    for part, twin, axis, group in parts(model, dense, mesh):
+        axis.shard_from_dense(part, twin, group)
     return model
 
 
 def gather_to_dense(model: nn.Sequential, dense: nn.Sequential, mesh: Mesh) -> nn.Sequential:
     """The inverse, gradients included (each rank's gradients as they are: average them over dp_cp first)."""
-    for part, twin, axis in parts(model, dense):
-        axis.gather_to_dense(part, twin, mesh.ep_group if axis is expert_parallel else mesh.tp_group)
+    for part, twin, axis, group in parts(model, dense, mesh):
+        axis.gather_to_dense(part, twin, group)
     return dense
 
 
@@ -269,7 +261,7 @@ def parser():
     p = launch.demo_parser(__doc__)
     p.add_argument("--cp", type=int, default=None, help="context-parallel ranks (default: the world / tp)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default 2 where the world allows)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, a divisor of cp")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, a divisor of cp and of --moe")
     p.add_argument("--moe", type=int, default=0, help="E experts per block, top-2 (0: an MLP)")
     p.add_argument("--checkpoint", action="store_true", help="recompute each block in backward")
     for name in ("layers", "hidden", "heads", "seq"):
@@ -285,8 +277,9 @@ def configuration_error(cfg: Config, grid) -> str | None:
     if cfg.hidden % cfg.heads or cfg.heads % grid.tp:
         heads = -(-cfg.heads // grid.tp) * grid.tp
         return (f"--heads {cfg.heads} must divide --hidden {cfg.hidden} and be a multiple of --tp {grid.tp} (each "
-                f"tensor-parallel rank owns whole heads): try --heads {heads} --hidden {-(-cfg.hidden // heads) * heads}")
-    if cfg.seq % (2 * grid.cp):
+                f"tensor-parallel rank owns whole heads): try --heads {heads} "
+                f"--hidden {-(-cfg.hidden // heads) * heads}")
+    if grid.cp > 1 and cfg.seq % (2 * grid.cp):
         return (f"--seq {cfg.seq} must be a multiple of 2 x cp = {2 * grid.cp}: the zigzag layout cuts each sequence "
                 f"into 2C equal chunks, two per context-parallel rank")
     if cfg.experts % grid.ep or (grid.ep > 1 and not cfg.experts):
@@ -303,7 +296,7 @@ def step_against_dense(cfg: Config, mesh: Mesh):
     """One forward + backward of this rank's shard on its tokens beside the dense model on the whole batch.
     Returns the largest difference (the loss and every gradient), then (measured, formula) pairs: the bytes
     each axis moved, and the bytes of parameters, gradients and saved activations (the planner's)."""
-    model, dense = parallel_model(cfg, mesh), dense_model(cfg)
+    model, dense, g = parallel_model(cfg, mesh), dense_model(cfg), mesh.grid
     ids, targets = local_batch(cfg, mesh, 0)
     COUNTER.reset()
     saved = PeakSaved(lambda: {p.untyped_storage().data_ptr() for p in model.parameters()})
@@ -311,26 +304,26 @@ def step_against_dense(cfg: Config, mesh: Mesh):
         loss = loss_fn(mesh.tp_group)(model(ids), targets)
     loss.backward()
     sent = {"tp": COUNTER.bytes["all_reduce"], "cp": COUNTER.bytes["ring"], "ep": COUNTER.bytes["all_to_all"]}
-    moe = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
-    off, received = (sum(r) for r in zip((0, 0), *(routed_rows(m, mesh.coords["ep_index"]) for m in moe)))
-    held = {"params": sum(8 * p.numel() for p in model.parameters()),
-            "grads": sum(8 * p.grad.numel() for p in model.parameters()), "activations": saved.peak}
+    moe = [routed_rows(m, mesh.coords["ep_index"]) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+    off, received = sum(o for o, _ in moe), sum(r for _, r in moe)
+    e = torch.finfo(cfg.dtype).bits // 8
+    held = {"params": sum(e * p.numel() for p in model.parameters()),
+            "grads": sum(e * p.grad.numel() for p in model.parameters()), "activations": saved.peak}
     ids, targets = get_batch(cfg, 0)
     whole = F.cross_entropy(dense(ids).flatten(0, 1), targets.flatten())
     whole.backward()
-    mean_loss = all_reduce(loss.detach(), mesh.dp_cp_group) / (mesh.grid.dp * mesh.grid.cp)
+    mean_loss = all_reduce(loss.detach(), mesh.dp_cp_group) / (g.dp * g.cp)
     average_gradients(model, mesh)
     gathered = gather_to_dense(model, dense_model(cfg), mesh)
-    worst = max([(mean_loss - whole).abs().item()] + [(p.grad - q.grad).abs().max().item() for p, q in
-                                                      zip(gathered.parameters(), dense.parameters())])
-    g = mesh.grid
-    plan = Plan(dp=g.dp, cp=g.cp, tp=g.tp, ep=g.ep, checkpoint=cfg.checkpoint, micro_batch=cfg.batch // g.dp,
-                precision="fp64")
-    layers, e = [kind(layer) for layer in model], torch.finfo(cfg.dtype).bits // 8
-    numel = sum(sum(gpt_layer_numel(cfg.model(), plan, k)) for k in layers)
+    diffs = [mean_loss - whole] + [p.grad - q.grad for p, q in zip(gathered.parameters(), dense.parameters())]
+    plan = cost_model.Plan(dp=g.dp, cp=g.cp, tp=g.tp, ep=g.ep, checkpoint=cfg.checkpoint,
+                           micro_batch=cfg.batch // g.dp, precision="fp64")
+    layers, m = [kind(layer) for layer in model], cfg.model()
+    numel = sum(sum(cost_model.gpt_layer_numel(m, plan, k)) for k in layers)
     planned = {"params": e * numel, "grads": e * numel,
-               "activations": gpt_activation_bytes(cfg.model(), plan, layers, received)}
-    return worst, (sent, gpt_step_traffic(cfg.model(), plan, cfg.layers, True, True, off)), (held, planned)
+               "activations": cost_model.gpt_activation_bytes(m, plan, layers, received)}
+    traffic = cost_model.gpt_step_traffic(m, plan, cfg.layers, True, True, off)
+    return max(d.abs().max().item() for d in diffs), (sent, traffic), (held, planned)
 
 
 def demo(args) -> int:

@@ -21,8 +21,8 @@ EP group. Bytes one rank moves per step (b sequences of s/C tokens per microbatc
         ZeRO-2 2(N-1)*S*e (S = ceil(numel/N)); FSDP 3M(N-1)*S_u*e per layer; experts as ZeRO over dp*cp/ep
 
 Memory per rank by category (parameters, gradients, optimizer state, activations: the most bytes autograd
-holds for backward at once, which the schedule decides) is measured and printed beside the planner's
-prediction (mini_dist/cost_model.py), as are the bytes.
+holds for backward at once, which the schedule decides, measure.PeakSaved) is measured and printed beside
+the planner's prediction (mini_dist/cost_model.py), as are the bytes.
 
 What cannot run together, and why (each refused in one line before any process group):
   zero_bubble with tp, cp or ep > 1   its W reruns part of a block's backward, collectives included
@@ -105,7 +105,6 @@ class Run:
     layout: list         # its chunks' layers, e.g. [["embedding", "block"], ["block", "head"]]
     stages: list         # the virtual stage of each chunk
     local_batch: int
-    peak_live: int       # most microbatches x chunks whose activations this rank held at once
     numels: list         # per layer of its chunks: elements (replicated over dp x cp, experts over edp)
 
 
@@ -120,12 +119,14 @@ class Trainer:
         self.cfg, self.mesh, self.zero, P = cfg, mesh, zero, grid.pp
         # Cut where the dense model would be cut: every TP, CP and EP rank of a stage holds the same layers
         costs = [1 + sum(p.numel() for p in layer.parameters()) for layer in dense_model(cfg)]
-        self.chunks = pipeline_chunks(parallel_model(cfg, mesh), mesh.pp_group, chunks, balanced_split(costs, P * chunks))
+        self.chunks = pipeline_chunks(parallel_model(cfg, mesh), mesh.pp_group, chunks,
+                                      balanced_split(costs, P * chunks))
         self.plan = SCHEDULES[schedule](P, microbatches, chunks)
-        experts = [(n, p) for c in self.chunks for n, p in c.named_parameters() if grid.ep > 1 and is_expert(p)]
-        dense = [[(n, p) for n, p in c.named_parameters() if not (grid.ep > 1 and is_expert(p))] for c in self.chunks]
-        self.numels = [[sum(p.numel() for p in layer.parameters() if (grid.ep > 1 and is_expert(p)) == x)
-                        for x in (False, True)] for c in self.chunks for layer in c]  # (replicated, experts)
+        sharded = lambda p: grid.ep > 1 and is_expert(p)  # noqa: E731  (ep = 1: experts replicated as the rest)
+        experts = [(n, p) for c in self.chunks for n, p in c.named_parameters() if sharded(p)]
+        dense = [[(n, p) for n, p in c.named_parameters() if not sharded(p)] for c in self.chunks]
+        self.numels = [[sum(p.numel() for p in layer.parameters() if sharded(p) == x) for x in (False, True)]
+                       for c in self.chunks for layer in c]  # per layer: (replicated, expert) elements
         self.stage, self.no_sync, self.optimizers, self.fsdp = self.chunks, None, [], []
         if zero == 3:
             self.stage = self.fsdp = [FullyShardedDataParallel(c, group=mesh.dp_cp_group) for c in self.chunks]
@@ -206,8 +207,7 @@ def train_5d(cfg: Config, mesh: Mesh, steps: int, microbatches: int = 1, schedul
         losses.append(mine.item())
     layout = [[kind(layer) for layer in c] for c in trainer.chunks]
     stages = [c * grid.pp + mesh.pp_rank for c in range(chunks)]
-    return Run(losses, sent, trainer.routed, memory, layout, stages, cfg.batch // grid.dp, stats.peak_live,
-               trainer.numels)
+    return Run(losses, sent, trainer.routed, memory, layout, stages, cfg.batch // grid.dp, trainer.numels)
 
 
 def predictions(run: Run, cfg: Config, mesh: Mesh, microbatches: int, schedule: str, zero: int) -> tuple[dict, dict]:
@@ -272,9 +272,9 @@ def demo(args) -> int:
     dp_axis = ("DDP inside the pipeline", "ZeRO-1", "ZeRO-2", "FSDP")[args.zero]
     launch.print0(f"{grid.picture()}\ntiny GPT: {cfg.layers} blocks, h={cfg.hidden}, {cfg.heads} heads, s={cfg.seq}, "
                   f"V={cfg.vocab}, {f'MoE {cfg.experts} experts top-{cfg.top_k}' if cfg.experts else 'MLP'}"
-                  f"{', checkpointed blocks' * cfg.checkpoint}; {args.schedule}{f' x {args.chunks} chunks' * (args.chunks > 1)}"
-                  f", M={M}; {dp_axis} over dp x cp = {grid.dp * grid.cp}; Adam, fp64; global batch {cfg.batch} "
-                  f"(at least 8, a multiple of dp x M)")
+                  f"{', checkpointed blocks' * cfg.checkpoint}; {args.schedule}"
+                  f"{f' x {args.chunks} chunks' * (args.chunks > 1)}, M={M}; {dp_axis} over dp x cp = "
+                  f"{grid.dp * grid.cp}; Adam, fp64; global batch {cfg.batch} (at least 8, a multiple of dp x M)")
     run = train_5d(cfg, mesh, args.steps, M, args.schedule, args.zero, args.chunks)
     reference = train_dense(cfg, args.steps)
     # fp64: the runs differ only in the order of their sums (TP partial sums, DP averages, microbatch sums,
@@ -282,7 +282,8 @@ def demo(args) -> int:
     # next loss by ~lr = 1e-2; 1e-13 sits between (tests/test_train_5d.py measures the rounding).
     worst = max(abs(a - b) for a, b in zip(run.losses, reference))
     launch.print0(f"  step {'loss, 5D':>16} {'loss, 1 process':>16} {'|diff|':>8}\n" + "\n".join(
-        f"  {s:>4} {a:>16.12f} {b:>16.12f} {abs(a - b):>8.1e}" for s, (a, b) in enumerate(zip(run.losses, reference))))
+        f"  {s:>4} {a:>16.12f} {b:>16.12f} {abs(a - b):>8.1e}" for s, (a, b) in enumerate(zip(run.losses,
+                                                                                                reference))))
     traffic, memory = predictions(run, cfg, mesh, M, args.schedule, args.zero)
     got = dict(run.bytes[-1])
     if args.zero == 0:  # DDP's ring chunks may be uneven: its formula is the dp x cp group's average
@@ -293,8 +294,9 @@ def demo(args) -> int:
     launch.print0("bytes per step, rank: measured = planner (DP: the DDP group's average)\n"
                   + table([r[:2] for r in rows], AXES) + "\nmemory per rank, bytes: measured = planner\n"
                   + table([r[2:] for r in rows], MEMORY))
-    return launch.conclude("train_5d", worst <= 1e-13, f"{'x'.join(str(getattr(grid, a)) for a in ('dp', 'pp', 'cp', 'tp'))}"
-                           f" ep {grid.ep} loss = 1 process ({worst:.0e})", exact, "bytes per axis and memory = planner")
+    dims = "x".join(str(getattr(grid, a)) for a in ("dp", "pp", "cp", "tp"))
+    return launch.conclude("train_5d", worst <= 1e-13, f"{dims} ep {grid.ep} loss = 1 process ({worst:.0e})", exact,
+                           "bytes per axis and memory = planner")
 
 
 def total(value: int, group=None) -> int:
