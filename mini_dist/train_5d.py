@@ -48,7 +48,7 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import cost_model, launch  # noqa: E402
+from mini_dist import cost_model, debug, launch  # noqa: E402
 from mini_dist.comm import COUNTER  # noqa: E402
 from mini_dist.ddp import DistributedDataParallel  # noqa: E402
 from mini_dist.expert_parallel import ExpertParallelMoE  # noqa: E402
@@ -116,6 +116,7 @@ class Trainer:
         problem = configuration_error(cfg, grid, microbatches, schedule, chunks, zero)
         if problem:
             raise ValueError(problem)
+        debug.agree("train_5d", (cfg, microbatches, schedule, zero, chunks))  # MINI_DIST_DEBUG=1: odd rank named
         self.cfg, self.mesh, self.zero, P = cfg, mesh, zero, grid.pp
         # Cut where the dense model would be cut: every TP, CP and EP rank of a stage holds the same layers
         costs = [1 + sum(p.numel() for p in layer.parameters()) for layer in dense_model(cfg)]

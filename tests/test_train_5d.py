@@ -176,6 +176,16 @@ def test_a_configuration_refused_by_every_rank_leaves_the_pool_in_step():
     run(2, train_on_ranks, RankGrid(dp=2, ep=2), dataclasses.replace(cfg, experts=2), 2, "1f1b", 0, 1)
 
 
+def train_disagreeing(grid, cfg, stages):
+    """Rank r asks for ZeRO stage stages[r]: the ranks would build different optimizers."""
+    return train_on_ranks(grid, cfg, 2, "1f1b", stages[dist.get_rank()], 1)
+
+
+def test_ranks_that_disagree_on_the_run_are_named_before_any_collective_of_it():
+    with pytest.raises(RankFailure, match=r"rank 0 calls train_5d .* 0, 1\) .* rank 1 calls train_5d .* 1, 1\)"):
+        run(2, train_disagreeing, RankGrid(dp=2), Config(vocab=padded_vocab(1), batch=4), (0, 1))
+
+
 @pytest.mark.parametrize("world, argv, says", [
     (8, ["--dp", "2", "--pp", "2", "--cp", "2", "--tp", "2"], "= 16 ranks, but the world has 8"),
     (4, ["--dp", "3", "--tp", "2"], "--dp 3 x --tp 2 = 6 does not divide the world of 4 ranks"),
