@@ -279,8 +279,8 @@ def demo(args) -> int:
     run = train_5d(cfg, mesh, args.steps, M, args.schedule, args.zero, args.chunks)
     reference = train_dense(cfg, args.steps)
     # fp64: the runs differ only in the order of their sums (TP partial sums, DP averages, microbatch sums,
-    # ring attention's online softmax, expert rows): a few ulps of a loss ~3. Any wrong gradient moves the
-    # next loss by ~lr = 1e-2; 1e-13 sits between (tests/test_train_5d.py measures the rounding).
+    # ring attention's online softmax, expert rows): a few ulps of a loss ~3. A wrong gradient moves a later
+    # loss by 1e-6 or more, even under Adam; 1e-13 sits between (tests/test_train_5d.py measures both).
     worst = max(abs(a - b) for a, b in zip(run.losses, reference))
     launch.print0(f"  step {'loss, 5D':>16} {'loss, 1 process':>16} {'|diff|':>8}\n" + "\n".join(
         f"  {s:>4} {a:>16.12f} {b:>16.12f} {abs(a - b):>8.1e}" for s, (a, b) in enumerate(zip(run.losses,
