@@ -88,6 +88,16 @@ class PeakSaved:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda saved: saved.tensor)
 
 
+def side_by_side(rows, keys) -> str:
+    """A table of one line per rank, rows[r] = (measured, predicted) dicts: measured = predicted for each key
+    (!= where they differ), as the demos that count bytes print them beside their formulas."""
+    lines = ["  rank " + "".join(f"{k:>24}" for k in keys)]
+    for r, (got, want) in enumerate(rows):
+        cells = [f"{float(got[k]):,.0f}{' = ' if got[k] == want[k] else ' != '}{float(want[k]):,.0f}" for k in keys]
+        lines.append(f"  {r:>4} " + "".join(f"{c:>24}" for c in cells))
+    return "\n".join(lines)
+
+
 class LiveActivations(TorchDispatchMode):
     """with LiveActivations() as live: out = model(x); live.mark("backward"); out.backward(dy)
     ->  live.timeline[live.marks["backward"]:]: activation bytes alive after each op of backward.

@@ -18,8 +18,7 @@ all-reduces per block with an MLP, 2 with experts (not cut by TP: every TP rank 
     EP  sent     2 * (rows sent to other ranks + rows they sent me) * h*e, summed over the MoE blocks
 
 --checkpoint (activation_checkpoint.checkpoint_module on each block) keeps a block's input only and reruns
-its forward in backward, collectives included: n_T -> 1.5*n_T, 6 -> 8 CP hops, 2 -> 3 all-to-all trips
-(Korthikanti et al. 2022 count the same 6 all-reduces for TP).
+its forward in backward, collectives included: n_T -> 1.5*n_T, 6 -> 8 CP hops, 2 -> 3 all-to-all trips.
 
 Experts route with no capacity limit and train without the auxiliary load-balancing loss: both depend on
 which tokens are routed together (each rank's tokens are one GShard group: expert_parallel.py), so a run
@@ -48,7 +47,7 @@ from mini_dist.activation_checkpoint import checkpoint_module  # noqa: E402
 from mini_dist.comm import COUNTER, all_reduce  # noqa: E402
 from mini_dist.context_parallel import ring_attention  # noqa: E402
 from mini_dist.expert_parallel import MoE, ExpertParallelMoE  # noqa: E402
-from mini_dist.measure import PeakSaved  # noqa: E402
+from mini_dist.measure import PeakSaved, side_by_side  # noqa: E402
 from mini_dist.mesh import Mesh, grid_for  # noqa: E402
 from mini_dist.parallel_transformer import ParallelAttention, ParallelTransformerBlock, TransformerBlock  # noqa: E402
 from mini_dist.sequence_layout import split_sequence  # noqa: E402
@@ -327,12 +326,11 @@ def step_against_dense(cfg: Config, mesh: Mesh):
 
 
 def demo(args) -> int:
-    world, cp, tp = launch.env_world_size(), args.cp, args.tp
-    launch.require(all(d is None or d >= 1 for d in (cp, tp)), "--cp and --tp must be at least 1")
-    tp = tp if tp is not None else world // cp if cp and world % cp == 0 else 2 - world % 2
-    cp = cp if cp is not None else max(world // tp, 1)
-    launch.require(cp * tp == world, f"--cp {cp} x --tp {tp} = {cp * tp} ranks, but the world has {world}: one "
-                                     f"model is cut over cp x tp ranks here, choose them with a product of {world}")
+    world, cp = launch.env_world_size(), args.cp  # unset: tp 2 where the world allows, cp the rest
+    tp = args.tp if args.tp is not None else world // cp if cp and world % cp == 0 else 2 - world % 2
+    cp = cp if cp is not None else max(world // max(tp, 1), 1)
+    launch.require(min(cp, tp) >= 1 and cp * tp == world, f"--cp {cp} x --tp {tp} = {cp * tp} ranks, but the world "
+                                                          f"has {world}: choose degrees >= 1 with a product of {world}")
     grid = grid_for(world, dp=1, pp=1, cp=cp, tp=tp, ep=args.ep)
     cfg = Config(vocab=padded_vocab(grid.tp), layers=args.layers, hidden=args.hidden, heads=args.heads,
                  seq=args.seq, batch=2, experts=args.moe, checkpoint=args.checkpoint)
@@ -347,20 +345,11 @@ def demo(args) -> int:
                   f"{', checkpointed blocks' if cfg.checkpoint else ''}; cp {grid.cp} x tp {grid.tp}, ep {grid.ep}, "
                   f"fp64\n|loss - dense| and max |grad - dense| over every weight: {worst:.1e}\n"
                   f"bytes each rank moved, forward + backward: measured = the docstring's formulas\n"
-                  + table([t for t, _ in rows], ("tp", "cp", "ep")) + "\nmemory per rank, bytes: measured = planner "
-                  "(mini_dist/cost_model.py)\n" + table([m for _, m in rows], ("params", "grads", "activations")))
+                  + side_by_side([t for t, _ in rows], ("tp", "cp", "ep")) + "\nmemory per rank, bytes: measured = planner "
+                  "(mini_dist/cost_model.py)\n" + side_by_side([m for _, m in rows], ("params", "grads", "activations")))
     exact = all(a == b for pairs in rows for a, b in pairs)
     return launch.conclude("parallel_gpt", worst < 1e-12, f"= dense GPT ({worst:.0e})", exact,
                            "bytes per axis = formulas, memory = planner")
-
-
-def table(rows, keys) -> str:
-    """One line per rank: measured = predicted (!= where they differ), for each key of (measured, predicted)."""
-    lines = ["  rank " + "".join(f"{k:>24}" for k in keys)]
-    for r, (got, want) in enumerate(rows):
-        cells = [f"{float(got[k]):,.0f}{' = ' if got[k] == want[k] else ' != '}{float(want[k]):,.0f}" for k in keys]
-        lines.append(f"  {r:>4} " + "".join(f"{c:>24}" for c in cells))
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

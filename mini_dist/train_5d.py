@@ -53,10 +53,10 @@ from mini_dist.comm import COUNTER  # noqa: E402
 from mini_dist.ddp import DistributedDataParallel  # noqa: E402
 from mini_dist.expert_parallel import ExpertParallelMoE  # noqa: E402
 from mini_dist.fsdp import FullyShardedDataParallel  # noqa: E402
-from mini_dist.measure import PeakSaved  # noqa: E402
+from mini_dist.measure import PeakSaved, side_by_side  # noqa: E402
 from mini_dist.mesh import Mesh, grid_for  # noqa: E402
 from mini_dist.parallel_gpt import (Config, dense_model, is_expert, kind, local_batch, loss_fn,  # noqa: E402
-                                    padded_vocab, parallel_model, routed_rows, table, train_dense)
+                                    padded_vocab, parallel_model, routed_rows, train_dense)
 from mini_dist.parallel_gpt import configuration_error as model_error  # noqa: E402
 from mini_dist.pipeline import HEADER_LEN, pipeline_step  # noqa: E402
 from mini_dist.pipeline_schedules import SCHEDULES, balanced_split, pipeline_chunks  # noqa: E402
@@ -293,8 +293,8 @@ def demo(args) -> int:
     dist.all_gather_object(rows, (got, traffic, run.memory, memory))
     exact = all(r[0] == r[1] and r[2] == r[3] for r in rows)
     launch.print0("bytes per step, rank: measured = planner (DP: the DDP group's average)\n"
-                  + table([r[:2] for r in rows], AXES) + "\nmemory per rank, bytes: measured = planner\n"
-                  + table([r[2:] for r in rows], MEMORY))
+                  + side_by_side([r[:2] for r in rows], AXES) + "\nmemory per rank, bytes: measured = planner\n"
+                  + side_by_side([r[2:] for r in rows], MEMORY))
     dims = "x".join(str(getattr(grid, a)) for a in ("dp", "pp", "cp", "tp"))
     return launch.conclude("train_5d", worst <= 1e-13, f"{dims} ep {grid.ep} loss = 1 process ({worst:.0e})", exact,
                            "bytes per axis and memory = planner")

@@ -94,7 +94,7 @@ def test_a_model_that_cannot_be_cut_is_named_with_what_to_change(grid, cfg, says
 @pytest.mark.parametrize("world, argv, says", [
     (4, ["--cp", "3"], "--cp 3 x --tp 2 = 6 ranks, but the world has 4"),
     (4, ["--cp", "2", "--tp", "1"], "--cp 2 x --tp 1 = 2 ranks, but the world has 4"),
-    (4, ["--tp", "0"], "--cp and --tp must be at least 1"),
+    (4, ["--tp", "0"], "--cp 4 x --tp 0 = 0 ranks, but the world has 4"),
     (2, ["--cp", "2", "--seq", "6"], "--seq 6 must be a multiple of 2 x cp = 4"),
     (4, ["--cp", "2", "--moe", "3", "--ep", "2"], "--ep 2 must divide the experts, --moe 3"),
     (4, ["--tp", "4", "--moe", "4", "--ep", "2"], "--ep 2 must divide dp x cp = 1 x 1 = 1")])
