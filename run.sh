@@ -42,9 +42,9 @@ TOUR=(
   "pipeline 4"
   "pipeline_bubble 4"
   "mesh 4 --dp 2 --tp 2"
-  "train_3d 8 --dp 2 --pp 2 --tp 2"
   "parallel_gpt 4 --cp 2 --tp 2 --moe 4 --ep 2"
   "train_5d 8 --dp 2 --pp 2 --tp 2"
+  "train_5d 8 --dp 2 --pp 2 --cp 2 --moe 4 --ep 2"
   "cost_model 1"
   "planner 1"
 )

@@ -130,7 +130,7 @@ def broadcast_from_rank0(module: nn.Module, group=None) -> None:
     describe = lambda t: "nothing more" if t is None else f"{t[0]} of shape {t[1]} in {t[2]}"
     for rank, theirs in enumerate(everyone):
         if theirs != everyone[0]:
-            ours, other = next((a, b) for a, b in zip(everyone[0] + [None], theirs + [None]) if a != b)
+            ours, other = next((a, b) for a, b in zip([*everyone[0], None], [*theirs, None]) if a != b)
             raise ValueError(f"rank {rank} of the group holds another model than rank 0: rank 0 has "
                              f"{describe(ours)} where rank {rank} has {describe(other)}; build the same "
                              f"model on every rank before wrapping it")
