@@ -70,7 +70,18 @@ def factorisations(n):
 
 
 def mesh_vs_device_mesh(dims):
-    """Our groups, torch's (built here, independently of mini_dist.mesh), an all-reduce per group, our coords."""
+    """Our groups, torch's (built here, independently of mini_dist.mesh), an all-reduce per group, our coords.
+    Every group made here is destroyed before returning: gloo gives each group threads of its own, and the
+    ranks live on for the rest of the suite."""
+    before = set(dist.distributed_c10d._world.pg_map)
+    try:
+        return compare_groups(dims)
+    finally:
+        for group in set(dist.distributed_c10d._world.pg_map) - before:
+            dist.destroy_process_group(group)
+
+
+def compare_groups(dims):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = Mesh(*dims)
     dp, pp, cp, tp, ep = dims
