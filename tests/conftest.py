@@ -1,6 +1,7 @@
 """pytest setup: hypothesis profiles sized for a 2-core machine, and the rank pools closed at the end."""
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 import harness
@@ -31,10 +32,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "single_process: a property that starts no ranks (harness.run refuses it), "
+                                       "cheap enough for CI to run it under the thorough profile too")
     # torch's own imports (torch.distributed.pipelining, fsdp) call torch.jit.script, deprecated since 2.9;
     # that warning is about torch, not about mini_dist, and would bury the summary under 60 repeats
     config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script` is deprecated:DeprecationWarning")
     config.addinivalue_line("filterwarnings", "ignore:`torch.jit.interface` is deprecated:DeprecationWarning")
+
+
+@pytest.fixture(autouse=True)
+def _single_process(request):
+    """A test marked single_process that calls harness.run fails: the mark cannot claim what is not so."""
+    harness.SINGLE_PROCESS = request.node.get_closest_marker("single_process") is not None
+    yield
+    harness.SINGLE_PROCESS = False
 
 
 def pytest_sessionfinish(session, exitstatus):

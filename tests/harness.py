@@ -161,8 +161,13 @@ class Pool:
 _pools: dict[int, Pool] = {}
 
 
+SINGLE_PROCESS = False  # set by conftest while a test marked single_process runs
+
+
 def run(world: int, fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs) -> list:
     """Run fn(*args, **kwargs) on every rank of a live pool of `world` ranks; return all results."""
+    if SINGLE_PROCESS:
+        raise AssertionError("a test marked single_process starts ranks: remove the mark")
     if BACKEND == "nccl" and world > torch.cuda.device_count():
         pytest.skip(f"needs {world} GPUs for {world} NCCL ranks (NCCL refuses two ranks on one GPU: "
                     f"'Duplicate GPU detected'); {torch.cuda.device_count()} present")

@@ -90,6 +90,7 @@ CASES = dict(depth=st.integers(1, 6), width=st.integers(1, 8), n=st.integers(1, 
              x_grad=st.booleans(), tied=st.booleans(), seed=st.integers(0, 99), data=st.data())
 
 
+@pytest.mark.single_process
 @given(**CASES)
 def test_gradients_are_bit_identical_to_no_checkpointing_and_to_torch_and_saved_bytes_equal_the_formula(
         depth, width, n, dtype_dropout, x_grad, tied, seed, data):
@@ -115,6 +116,7 @@ def test_gradients_are_bit_identical_to_no_checkpointing_and_to_torch_and_saved_
             assert mine[1] == theirs[1], name
 
 
+@pytest.mark.single_process
 @settings(max_examples=10)
 @given(depth=st.integers(2, 5), k=st.integers(1, 5), seed=st.integers(0, 99))
 def test_peak_activation_bytes_alive_in_backward_equal_torchs_checkpoint(depth, k, seed):
@@ -172,6 +174,7 @@ def test_non_reentrant_works_where_reentrant_cannot_inputs_without_grad_autograd
         ReentrantCheckpoint.apply(layer, x, scale=scale)
 
 
+@pytest.mark.single_process
 @given(x_grad=st.booleans(), seed=st.integers(0, 99))
 def test_reentrant_gradients_are_bit_identical_to_torchs_reentrant_checkpoint(x_grad, seed):
     model = mlp(3, 4, 0.3, torch.float32, True, seed)

@@ -189,6 +189,7 @@ def test_error_feedback_keeps_exactly_what_was_not_sent(world, shapes, rank):
 
 @given(n=st.integers(1, 30), r=st.integers(1, 6), dtype=st.sampled_from([F64, torch.float32]),
        seed=st.integers(0, 10 ** 6))
+@pytest.mark.single_process
 def test_orthogonalize_gives_orthonormal_columns_spanning_the_same_space(n, r, dtype, seed):
     r = min(n, r)
     M = torch.randn(n, r, generator=torch.Generator().manual_seed(seed), dtype=dtype)

@@ -18,6 +18,7 @@ def decode(text: str) -> float:
     return (-1) ** int(s) * (1 + frac) * 2.0 ** (int(e, 2) - bias)
 
 
+@pytest.mark.single_process
 @given(x=st.floats(-6e4, 6e4))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_bit_layout_decodes_to_the_stored_value(dtype, x):

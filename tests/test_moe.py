@@ -10,6 +10,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ from test_expert_parallel import CAPACITY_FACTORS, F64, TOL, rel_err
 
 @given(n=st.integers(0, 25), E=st.integers(1, 6), k=st.integers(1, 2), cf=st.sampled_from(CAPACITY_FACTORS),
        seed=st.integers(0, 1000))
+@pytest.mark.single_process
 def test_capacity_keeps_first_choices_before_second_then_token_order_and_counts_drops(n, E, k, cf, seed):
     k = min(k, E)
     logits = torch.randn(n, E, dtype=F64, generator=torch.Generator().manual_seed(seed))
@@ -39,6 +41,7 @@ def test_capacity_keeps_first_choices_before_second_then_token_order_and_counts_
 
 @given(n=st.integers(0, 12), E=st.integers(1, 5), k=st.integers(1, 2), cf=st.sampled_from(CAPACITY_FACTORS),
        h=st.integers(1, 4), seed=st.integers(0, 1000))
+@pytest.mark.single_process
 def test_one_process_moe_equals_the_formula_token_by_token(n, E, k, cf, h, seed):
     k = min(k, E)
     torch.manual_seed(seed)
@@ -61,6 +64,7 @@ def test_one_process_moe_equals_the_formula_token_by_token(n, E, k, cf, h, seed)
     assert moe.dropped == sum(max(0, c - C) for c in filled)
 
 
+@pytest.mark.single_process
 @given(n=st.integers(1, 30), E=st.integers(1, 6), k=st.integers(1, 2), seed=st.integers(0, 1000))
 def test_aux_loss_is_switch_formula_and_its_gradient_reaches_only_the_router(n, E, k, seed):
     k = min(k, E)

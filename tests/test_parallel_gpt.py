@@ -111,6 +111,7 @@ def test_the_demo_refuses_a_configuration_in_one_line_before_any_process_group(w
 @given(tp=st.sampled_from([1, 2, 4]), cp=st.sampled_from([1, 2, 4]), ep=st.sampled_from([1, 2]),
        experts=st.sampled_from([0, 4]), checkpoint=st.booleans(), b=st.integers(1, 3), M=st.integers(1, 3),
        rows=st.integers(0, 500), blocks=st.integers(0, 4), ends=st.tuples(st.booleans(), st.booleans()))
+@pytest.mark.single_process
 def test_the_planners_bytes_are_the_docstrings_formulas(tp, cp, ep, experts, checkpoint, b, M, rows, blocks, ends):
     # the docstring, per microbatch: TP [n_T*L + embedding + head]*b(s/C)h*e + 3b(s/C)*e with n_T = 4 (MLP) or
     # 2 (experts), x1.5 recomputed; CP 6 (8 recomputed) hops of (C-1) b(s/C)(h/T)*e per block; EP 2 (3) trips

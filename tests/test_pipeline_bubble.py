@@ -10,6 +10,7 @@ from mini_dist.pipeline_schedules import SCHEDULES, Action, Schedule
 from test_pipeline_schedules import schedules
 
 
+@pytest.mark.single_process
 @settings(max_examples=60)
 @given(schedules(), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3))
 def test_the_simulated_bubble_is_the_papers_formula_for_uniform_stage_times(schedule, F, B, W):

@@ -31,6 +31,7 @@ def compute_actions(schedule: Schedule, rank: int) -> list[Action]:
     return [a for a in schedule.actions[rank] if a.op in COMPUTE]
 
 
+@pytest.mark.single_process
 @given(schedules())
 def test_each_microbatch_runs_forward_then_B_then_W_once_on_every_virtual_stage(schedule):
     M, v = schedule.n_microbatches, schedule.n_chunks
@@ -43,6 +44,7 @@ def test_each_microbatch_runs_forward_then_B_then_W_once_on_every_virtual_stage(
                 assert ops == (["forward", "backward_input", "backward_weight"] if split else ["forward", "backward"])
 
 
+@pytest.mark.single_process
 @given(schedules(), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3))
 def test_the_simulation_never_deadlocks_and_runs_each_stage_after_its_neighbour(schedule, F, B, W):
     P, v = len(schedule.actions), schedule.n_chunks
@@ -59,6 +61,7 @@ def test_the_simulation_never_deadlocks_and_runs_each_stage_after_its_neighbour(
         assert start[backward, m, S - 1] >= end["forward", m, S - 1]
 
 
+@pytest.mark.single_process
 @example(SCHEDULES["zero_bubble"](2, 3, 2))  # 2 ranks, 2 chunks: activations and gradients share each wire,
 @example(SCHEDULES["interleaved"](2, 4, 2))  # and a rank receives some messages before it needs them
 @given(schedules())
@@ -78,6 +81,7 @@ def test_every_send_meets_a_receive_of_the_same_message_in_the_order_sent(schedu
     assert not [a for a in last if a.op in ("send_act", "recv_grad") and a.chunk == schedule.n_chunks - 1]
 
 
+@pytest.mark.single_process
 @given(schedules())
 def test_activations_kept_are_M_for_gpipe_P_minus_s_for_1f1b_and_the_warmup_for_the_others(schedule):
     P, M, v, name = len(schedule.actions), schedule.n_microbatches, schedule.n_chunks, schedule.name
@@ -101,6 +105,7 @@ def test_schedules_refuse_what_they_cannot_run_and_say_what_to_change():
     assert SCHEDULES["zero_bubble"](4, 9).n_microbatches == 9  # one chunk: no rounds (torch still refuses M=9)
 
 
+@pytest.mark.single_process
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=8), st.data())
 def test_balanced_split_minimises_the_costliest_stage(costs, data):
     P = data.draw(st.integers(1, len(costs)))

@@ -77,6 +77,7 @@ def test_five_percent_serial_caps_the_speedup_at_20x_and_never_reaches_it():
     assert math.isclose(amdahl(0.05, 10 ** 15), 20, rel_tol=1e-12)
 
 
+@pytest.mark.single_process
 @given(n=st.integers(1, 64), chunk=st.integers(0, 10 ** 6), elem=st.sampled_from([1, 2, 4, 8]))
 def test_ring_all_reduce_sends_2_n_minus_1_over_n_times_d_per_rank(n, chunk, elem):
     d = n * chunk * elem
@@ -85,6 +86,7 @@ def test_ring_all_reduce_sends_2_n_minus_1_over_n_times_d_per_rank(n, chunk, ele
     assert 2 * half == collective_bytes("all_reduce", n * chunk, n, elem)  # = reduce-scatter + all-gather
 
 
+@pytest.mark.single_process
 @given(numel=st.integers(1, 10 ** 12), k=st.integers(1, 1024), m=st.integers(1, 64), precision=PRECISION)
 def test_zero2_sends_the_same_bytes_as_ddp_not_fewer(numel, k, m, precision):
     """A correction: 'ZeRO-2 communicates less than DDP' holds for the reduce-scatter alone. ZeRO-2
@@ -101,6 +103,7 @@ def test_zero2_sends_the_same_bytes_as_ddp_not_fewer(numel, k, m, precision):
 # ----------------------------------------------------------------------------- the papers' formulas
 
 
+@pytest.mark.single_process
 @given(per_rank=st.integers(1, 10 ** 10), k=st.integers(1, 1024))
 def test_zero_stages_match_the_zero_paper_for_mixed_and_fp32_adam(per_rank, k):
     n = per_rank * k
@@ -118,6 +121,7 @@ def test_zero_paper_figure_1_for_7_5b_parameters_on_64_gpus():
 
 @given(s=st.integers(1, 4096), b=st.integers(1, 16), head_dim=st.integers(1, 256),
        heads=st.sampled_from([1, 2, 4, 8, 16]), t=st.sampled_from([1, 2, 4, 8]))
+@pytest.mark.single_process
 def test_activations_match_korthikanti_per_layer_formula(s, b, head_dim, heads, t):
     """Per layer, fp16/bf16: sbh(34 + 5as/h) without TP; sbh(10 + 24/t + 5as/(ht)) with TP degree t."""
     assume(heads % t == 0)
@@ -131,6 +135,7 @@ def test_gpt_params_counts_gpt2_small_exactly():
     assert gpt_params(12, 768, 50257, 1024) == 124_439_808  # GPT-2 small; nanoGPT: 123.65M without wpe
 
 
+@pytest.mark.single_process
 @settings(max_examples=10)
 @given(layers=st.integers(1, 3), hidden=st.integers(1, 24), vocab=st.integers(1, 50), seq=st.integers(1, 20))
 def test_gpt_params_equals_the_parameter_count_of_a_torch_gpt(layers, hidden, vocab, seq):
@@ -183,6 +188,7 @@ def test_7b_on_8_gpus_recommends_zero1_with_checkpointing_and_70b_on_256_splits_
 # ----------------------------------------------------------------------------- invariants
 
 
+@pytest.mark.single_process
 @given(numel=st.integers(1, 10 ** 12), k=st.integers(1, 4096), precision=PRECISION, optimizer=OPTIMIZER)
 def test_state_memory_never_grows_with_more_ranks_and_zero_stages_are_ordered(numel, k, precision, optimizer):
     totals = [sum(model_state_bytes(numel, k, z, precision, optimizer)) for z in range(4)]
@@ -196,6 +202,7 @@ def test_state_memory_never_grows_with_more_ranks_and_zero_stages_are_ordered(nu
 @given(layers=st.integers(1, 16), s=st.integers(1, 512), b=st.integers(1, 8),
        heads=st.sampled_from([1, 2, 4, 8]), m=st.integers(1, 16), pp=st.sampled_from([1, 2, 4]),
        precision=PRECISION)
+@pytest.mark.single_process
 def test_checkpointing_saves_activation_memory_once_a_stage_has_two_layers(layers, s, b, heads, m, pp,
                                                                            precision):
     assume(layers % pp == 0)
@@ -208,12 +215,14 @@ def test_checkpointing_saves_activation_memory_once_a_stage_has_two_layers(layer
     assert bigger[0] > full and bigger[1] > ckpt  # gradient accumulation shrinks the microbatch: less memory
 
 
+@pytest.mark.single_process
 @given(p=st.integers(1, 64), m=st.integers(1, 1024))
 def test_bubble_shrinks_with_microbatches_and_grows_with_stages(p, m):
     assert 0 <= bubble(p, m) < 1 and (bubble(p, m) == 0) == (p == 1)
     assert bubble(p, m + 1) <= bubble(p, m) <= bubble(p + 1, m)
 
 
+@pytest.mark.single_process
 @given(serial=st.floats(0, 1), n=st.integers(1, 10 ** 6))
 def test_amdahl_speedup_is_at_most_the_workers_and_at_most_one_over_serial(serial, n):
     speedup = amdahl(serial, n)
@@ -222,6 +231,7 @@ def test_amdahl_speedup_is_at_most_the_workers_and_at_most_one_over_serial(seria
     assert amdahl(serial, n + 1) >= speedup * (1 - 1e-12)
 
 
+@pytest.mark.single_process
 @given(chunks=st.lists(st.integers(0, 1000), min_size=1, max_size=8), elem=st.sampled_from([1, 2, 4, 8]))
 def test_ring_exact_bytes_sum_to_2_n_minus_1_times_d_over_all_ranks_for_any_chunking(chunks, elem):
     n, d = len(chunks), sum(chunks) * elem
@@ -242,6 +252,7 @@ MODELS = st.builds(lambda layers, head_dim, heads, seq: Model(gpt_params(layers,
        gpus=st.sampled_from([1, 2, 4, 8, 16, 32]), per_node=st.sampled_from([1, 2, 4, 8]),
        fraction=st.integers(-5, 1), tflops=st.integers(-20, 9), b=st.sampled_from([1, 2, 4]),
        m=st.integers(1, 8), precision=PRECISION)
+@pytest.mark.single_process
 def test_recommendation_fits_and_splits_the_model_only_when_data_parallelism_cannot(model, gpus, per_node,
                                                                                    fraction, tflops, b, m,
                                                                                    precision):
@@ -276,6 +287,7 @@ def test_recommendation_fits_and_splits_the_model_only_when_data_parallelism_can
         assert not any(hidden(e) for e in data_parallel if e.plan.zero < best.plan.zero)
 
 
+@pytest.mark.single_process
 @given(model=MODELS, gpus=st.sampled_from([1, 2, 4, 8]), b=st.integers(1, 4), m=st.integers(1, 8))
 def test_effective_batch_is_micro_batch_x_microbatches_x_dp_and_one_gpu_sends_nothing(model, gpus, b, m):
     e = evaluate(model, Plan(dp=gpus, micro_batch=b, microbatches=m), Cluster(gpus))
@@ -560,6 +572,7 @@ def kept_for_backward(layers, b, s, heads, head_dim, precision, seed):
 @settings(max_examples=15)
 @given(layers=st.integers(1, 3), b=st.integers(1, 2), s=st.integers(1, 8), heads=st.integers(1, 3),
        head_dim=st.integers(1, 4), precision=st.sampled_from(["fp32", "bf16"]), seed=st.integers(0, 99))
+@pytest.mark.single_process
 def test_activation_bytes_equal_what_a_transformer_layer_keeps_with_and_without_checkpointing(
         layers, b, s, heads, head_dim, precision, seed):
     """Exact, from the measured bytes saved for backward (measure.SavedTensors): without checkpointing

@@ -30,6 +30,7 @@ def test_buckets_for_a_given_cap_hold_the_expected_parameters():
 
 @given(numels=st.lists(st.integers(1, 300), min_size=1, max_size=12), cap=st.integers(0, 3000),
        first=st.one_of(st.none(), st.integers(0, 3000)))
+@pytest.mark.single_process
 def test_buckets_match_natives_assignment_run_over_the_parameters_in_reverse(numels, cap, first):
     params = [nn.Parameter(torch.zeros(n)) for n in numels]
     index = {p: i for i, p in enumerate(params)}
@@ -58,6 +59,7 @@ def test_all_reduces_start_during_backward_for_multi_bucket_models(world, collec
         assert during  # and every all-reduce was under way before backward ended
 
 
+@pytest.mark.single_process
 @given(flights=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 20)), max_size=6), end=st.integers(0, 80))
 def test_overlap_is_the_share_of_in_flight_time_that_passed_before_backward_ended(flights, end):
     # whole seconds, so the union of the all-reduces' flights can be counted second by second

@@ -61,6 +61,7 @@ def test_zigzag_split_equals_torch_context_parallel_head_tail_sharding(C):
     assert all(run(C, torch_head_tail_layout, 4 * C))
 
 
+@pytest.mark.single_process
 @given(C=st.integers(1, 8), L=st.integers(1, 6))
 def test_causal_pairs_per_rank_equal_the_formulas_and_zigzag_gives_every_rank_the_same(C, L):
     S = 2 * C * L

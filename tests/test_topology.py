@@ -131,6 +131,7 @@ def test_bytes_per_link_kind_equal_the_schedule_exactly(world, data, k):
     assert {kind: sum(s[kind] for s in sent) for kind in ("intra", "inter")} == want
 
 
+@pytest.mark.single_process
 @settings(max_examples=40)
 @given(n=st.integers(1, 6), G=st.integers(1, 6), D=st.integers(0, 10 ** 6).map(lambda d: d * 720))
 def test_schedules_send_the_bytes_of_the_closed_forms(n, G, D):
@@ -153,6 +154,7 @@ def test_schedules_send_the_bytes_of_the_closed_forms(n, G, D):
 @settings(max_examples=40)
 @given(N=st.integers(1, 9), alpha=st.floats(1e-7, 1e-3), beta=st.floats(1e-12, 1e-8),
        D=st.floats(0, 1e9))
+@pytest.mark.single_process
 def test_on_uniform_links_the_model_is_steps_times_alpha_plus_bytes_times_beta(N, alpha, beta, D):
     p = 1 << (N.bit_length() - 1)
     r, log = N - p, p.bit_length() - 1
@@ -183,6 +185,7 @@ def test_the_slow_link_makes_only_the_inter_node_steps_slower_in_the_model():
 
 @given(alpha=st.floats(1e-7, 1e-2), beta=st.floats(1e-12, 1e-7),
        sizes=st.lists(st.integers(1, 1 << 26), min_size=2, max_size=8, unique=True))
+@pytest.mark.single_process
 def test_the_fit_recovers_alpha_and_beta_from_synthetic_timings(alpha, beta, sizes):
     times = [alpha + s * beta for s in sizes]
     got_alpha, got_beta = topo.fit_alpha_beta(sizes, times)

@@ -83,6 +83,7 @@ def state_buffers(opt) -> int:
 # ----------------------------------------------------------------------------- the partition, no ranks
 
 
+@pytest.mark.single_process
 @given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6), k=st.integers(1, 5))
 def test_partition_gives_every_rank_one_equal_padded_shard_covering_each_element_once(sizes, k):
     part = Partition(tuple(f"p{i}" for i in range(len(sizes))), tuple(torch.Size([n]) for n in sizes), k)
