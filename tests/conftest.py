@@ -24,10 +24,12 @@ SCALE = settings.default.max_examples / 25
 def pytest_collection_modifyitems(config, items):
     if SCALE == 1:
         return
+    scaled = set()  # a parametrized test's items share one function: scale it once, not once per item
     for item in items:
         test = getattr(item, "obj", None)
         own = getattr(test, "_hypothesis_internal_use_settings", None)
-        if own is not None and own.max_examples != settings.default.max_examples:
+        if own is not None and own.max_examples != settings.default.max_examples and id(test) not in scaled:
+            scaled.add(id(test))
             test._hypothesis_internal_use_settings = settings(own, max_examples=max(1, round(own.max_examples * SCALE)))
 
 
