@@ -21,16 +21,21 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 SCALE = settings.default.max_examples / 25
 
 
-def pytest_collection_modifyitems(config, items):
-    if SCALE == 1:
-        return
-    scaled = set()  # a parametrized test's items share one function: scale it once, not once per item
+def scale_own_settings(items, scale: float) -> None:
+    """Multiply each test's own max_examples by scale. A parametrized test's items share one function:
+    it is scaled once, not once per item (else 5 parameters would draw scale**5 times its examples)."""
+    scaled = set()
     for item in items:
         test = getattr(item, "obj", None)
         own = getattr(test, "_hypothesis_internal_use_settings", None)
         if own is not None and own.max_examples != settings.default.max_examples and id(test) not in scaled:
             scaled.add(id(test))
-            test._hypothesis_internal_use_settings = settings(own, max_examples=max(1, round(own.max_examples * SCALE)))
+            test._hypothesis_internal_use_settings = settings(own, max_examples=max(1, round(own.max_examples * scale)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if SCALE != 1:
+        scale_own_settings(items, SCALE)
 
 
 def pytest_configure(config):

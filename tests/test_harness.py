@@ -80,3 +80,19 @@ def test_an_error_raised_by_every_rank_keeps_the_pool():
 def test_each_rank_draws_different_data():
     a, b = run(2, draw, 5)
     assert not torch.equal(a, b)
+
+
+def test_a_parametrized_propertys_own_example_count_is_scaled_once_not_once_per_parameter():
+    from types import SimpleNamespace
+
+    from hypothesis import given, settings as hsettings, strategies as st
+
+    from conftest import scale_own_settings
+
+    @hsettings(max_examples=12)
+    @given(st.integers())
+    def prop(x):
+        pass
+
+    scale_own_settings([SimpleNamespace(obj=prop) for _ in range(5)], 8)  # 5 parametrized items, one function
+    assert prop._hypothesis_internal_use_settings.max_examples == 96
