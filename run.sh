@@ -82,6 +82,10 @@ launch() {
   if [ "$status" -ne 0 ] && grep -q 'exitcode *: 2 ' "$err" && grep -q '^[a-z_0-9.]*: error: ' "$err"; then
     grep '^[a-z_0-9.]*: error: ' "$err" | sort -u >&2
     status=2
+  elif [ "$status" -ne 0 ] && grep -q 'exitcode *: 1 ' "$err" && ! grep -q '^\[rank[0-9]*\]: Traceback' "$err"; then
+    # the ranks ran to the end and said FAIL or MISS: keep their words, not torchrun's traceback of itself
+    sed '/^E[0-9]\{4\} .*failed (exitcode: 1)/,$d' "$err" >&2
+    echo "./run.sh: exit 1: a check or a target above was missed (FAIL / MISS)" >&2
   else
     cat "$err" >&2
   fi

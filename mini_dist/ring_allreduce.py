@@ -161,6 +161,19 @@ def _segments(chunks: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return [[c[s * seg:(s + 1) * seg] for s in range(count)] for c in chunks]
 
 
+_SCRATCH: dict = {}  # (dtype, device) -> receive scratch, kept between calls (it only ever grows)
+
+
+def _scratch(piece: torch.Tensor) -> list[torch.Tensor]:
+    """IN_FLIGHT buffers like `piece`, the same memory every call: a fresh CPU MiB is 256 page faults when
+    the data lands in it, about 0.35 ms measured on 2 vCPUs (gloo's scratch comes from the C heap, which
+    reuses its pages)."""
+    key, n = (piece.dtype, piece.device), piece.numel()
+    if key not in _SCRATCH or _SCRATCH[key].numel() < IN_FLIGHT * n:
+        _SCRATCH[key] = torch.empty(IN_FLIGHT * n, dtype=piece.dtype, device=piece.device)
+    return [_SCRATCH[key][k * n:(k + 1) * n] for k in range(IN_FLIGHT)]
+
+
 def _ring_steps(chunks: list[torch.Tensor], steps: range, group, name: str, op=SUM) -> None:
     """Steps of the ring all-reduce: at step j every rank sends chunk rank+1+j to its left neighbour and
     receives chunk rank+2+j from its right one, to be reduced into ours (steps 0..N-2: reduce-scatter) or
@@ -174,7 +187,7 @@ def _ring_steps(chunks: list[torch.Tensor], steps: range, group, name: str, op=S
     step = lambda i: steps[i // S]  # noqa: E731
     piece = lambda i, shift: pieces[(me + shift + step(i)) % n][i % S]  # noqa: E731  shift 1: sent, 2: received
     reduces = lambda i: step(i) < n - 1  # noqa: E731
-    scratch = [torch.empty_like(pieces[0][0]) for _ in range(IN_FLIGHT)] if reduces(0) else []
+    scratch = _scratch(pieces[0][0]) if reduces(0) else []
     landing = lambda i: scratch[i % IN_FLIGHT][:piece(i, 2).numel()] if reduces(i) else piece(i, 2)  # noqa: E731
     recvs, sends = {}, [_post(dist.isend, piece(i, 1), left, group) for i in range(min(S, items))]  # ours
     for i in range(items):

@@ -177,6 +177,37 @@ def test_ring_sends_2_n_minus_1_over_n_times_d_and_naive_root_sends_n_minus_1_ti
     assert all(sent == received == D for sent, received in naive[1:])
 
 
+def scratch_after(sizes):
+    """The receive scratch after ring all-reduces of these sizes (fp32, then fp64): (numel, data_ptr)."""
+    ra._SCRATCH.clear()
+    seen = []
+    for dtype in (torch.float32, torch.float64):
+        for numel in sizes:
+            x = torch.ones(numel, dtype=dtype, device=device())
+            ra.ring_all_reduce(x)
+            assert torch.equal(x, torch.full_like(x, dist.get_world_size()))
+            assert len(ra._SCRATCH) == len({key[0] for key in ra._SCRATCH})  # one buffer per dtype, not per size
+            seen.append({str(k[0]): (b.numel(), b.data_ptr()) for k, b in ra._SCRATCH.items()})
+    return seen
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_receive_scratch_is_one_buffer_per_dtype_reused_by_every_call_and_bounded(world):
+    # a fresh MiB is 256 page faults when the data lands in it: the ring keeps its scratch between calls,
+    # one buffer per dtype and device, never above IN_FLIGHT segments however large the tensor
+    sizes = [300, 1 << 20, 5 << 20, 1 << 20, 300]  # 1.2 KB, 4 MiB, 20 MiB, 4 MiB again, 1.2 KB again
+    for seen in run(world, scratch_after, sizes):
+        fp32, fp64 = seen[len(sizes) - 1], seen[-1]
+        assert set(fp32) == {"torch.float32"} and set(fp64) == {"torch.float32", "torch.float64"}
+        assert fp64["torch.float32"] == fp32["torch.float32"]  # fp64 calls left the fp32 buffer alone
+        for key, elem in (("torch.float32", 4), ("torch.float64", 8)):
+            steps = [s[key] for s in seen if key in s]
+            for (n0, ptr0), (n1, ptr1) in zip(steps, steps[1:]):
+                assert n1 >= n0 and (n1 > n0 or ptr1 == ptr0)  # new memory only to grow, never per call
+            assert steps[-1] == steps[len(sizes) - 3]  # after the largest call: the same memory
+            assert ra.SEGMENT_BYTES < steps[-1][0] * elem <= ra.IN_FLIGHT * ra.SEGMENT_BYTES
+
+
 def naive_equals_native(seed, world_shape):
     x = draw_tensor(seed, world_shape, torch.int64, "sum")
     native = x.clone()

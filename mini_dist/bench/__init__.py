@@ -15,7 +15,7 @@ The runner prints one table, each ratio beside its target, and exits non-zero wh
 target in this run (a benchmark, not a unit test: the test suite stays free of timing).
 """
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ class Result:
     ratio: float           # median of paired ratios ours/native (not ours/native of the medians)
     target: float | None   # ours/native must be <= target; None: measured, no target
     note: str = ""
+    times: dict = field(default_factory=dict, repr=False)  # {"ours": [s, ...], "native": [...]}, in pairs
 
     @property
     def ok(self) -> bool:
@@ -71,7 +72,14 @@ def compare(name: str, ours, native, repeats: int, target: float | None, warmup:
     """Time ours() against native() in turns: a Result with both medians and the median paired ratio."""
     t = paired({"ours": ours, "native": native}, repeats, warmup, group)
     ratio = median([a / b for a, b in zip(t["ours"], t["native"])])
-    return Result(name, median(t["ours"]), median(t["native"]), ratio, target, note)
+    return Result(name, median(t["ours"]), median(t["native"]), ratio, target, note, t)
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """The q-quantile of xs (nearest rank): quantile(xs, 0.1) is the time a call takes when nothing else
+    on the machine got in its way; the median adds the usual interference."""
+    xs = sorted(xs)
+    return xs[round(q * (len(xs) - 1))]
 
 
 def with_debug(fn, on: bool):

@@ -17,7 +17,19 @@ Three parts, all in one run:
   on the wire, or the neighbour itself, still busy or not yet scheduled), reducing (reduce_into:
   reading two buffers, writing one) and the rest, Python between steps; beside gloo's whole
   all-reduce, which does the same sends, receives and reductions in C++ on its own thread. Also the
-  price of MINI_DIST_DEBUG=1's agreement check.
+  price of MINI_DIST_DEBUG=1's agreement check;
+- the all-reduce rows' own samples split in two: the 10th percentile (a call nothing got in the way of)
+  and the share of calls that lost STALL_S or more to the machine.
+
+Why 2 ranks are harder than 4 on 2 cores. At N = 2 the left and the right neighbour are the same rank,
+so every send and receive goes through one gloo pair: one socket, one lock. gloo moves a message only
+once the receiver has posted for it; a send posted after that writes its segment into the socket from
+the calling thread, holding the pair's lock. If the peer's data arrives meanwhile, the rank's own gloo
+I/O thread wakes, finds the lock taken and goes back to epoll_wait, which reports the same readable
+socket at once: it spins, and it can hold the core the lock holder needs until the scheduler's next
+tick. perf sched shows such runs of the I/O thread lasting 4-5 ms, perf record puts them in epoll_wait
+and Pair::handleEvents. gloo's all-reduce posts the same sends from its worker thread and stalls too,
+but less often; at N >= 3 sends (left) and receives (right) use different pairs and locks.
 """
 import contextlib
 import time
@@ -29,6 +41,7 @@ from mini_dist import bench, debug, launch
 from mini_dist import ring_allreduce as ra
 
 SIZES_KIB = [4, 64, 256, 1024, 4096, 16384]
+STALL_S = 2.5e-3  # a call that lost this much waited for a core: more than half a 4 ms scheduler tick
 
 
 def target(nbytes: int) -> float:
@@ -36,7 +49,9 @@ def target(nbytes: int) -> float:
 
 
 def repeats(nbytes: int) -> int:
-    return max(9, min(41, (32 << 20) // nbytes))
+    """Enough pairs that the median ratio is stable from run to run (with 9 pairs at 4 MiB one run said
+    0.9x and the next 1.9x: a third of the calls lose milliseconds to the scheduler, at random)."""
+    return max(41, min(101, (128 << 20) // nbytes))
 
 
 def size_name(kib: int) -> str:
@@ -123,6 +138,12 @@ def profile_row(numel: int) -> list[float]:
     return rows[len(rows) // 2] + [bench.median(gloo)]
 
 
+def split(times: list[float]) -> tuple[float, float, float]:
+    """(10th percentile, median, share of calls that took STALL_S longer than the 10th percentile)."""
+    fast = bench.quantile(times, 0.1)
+    return fast, bench.median(times), sum(t > fast + STALL_S for t in times) / len(times)
+
+
 def debug_cost(n: int) -> list[bench.Result]:
     """MINI_DIST_DEBUG=1 against off: one all_gather_object of (op, shape, dtype, call site) per call."""
     results = []
@@ -167,6 +188,15 @@ def run_collectives(args) -> list[bench.Result]:
         total, posting, waiting, reducing, rest, gloo = profile_row(kib << 8)
         launch.print0(f"{size_name(kib):>7} | {total * 1e3:7.2f} | {posting * 1e3:7.2f} | {waiting * 1e3:7.2f} | "
                       f"{reducing * 1e3:8.2f} | {rest * 1e3:7.2f} | {gloo * 1e3:7.2f}")
+    launch.print0(f"\nthe all-reduce rows above, their own samples split in two (ms): q10 = a call nothing got in "
+                  f"the way of; stalled = calls {STALL_S * 1e3:g} ms or more slower than that")
+    launch.print0(f"{'D':>7} | {'ring q10':>8} | {'median':>6} | {'stalled':>7} | {'gloo q10':>8} | {'median':>6} | "
+                  f"{'stalled':>7}")
+    for r in results:
+        if r.name.startswith("ring all_reduce") and r.target is not None:
+            (a, b, c), (d, e, f) = split(r.times["ours"]), split(r.times["native"])
+            launch.print0(f"{r.name.split('all_reduce ')[1]:>7} | {a * 1e3:8.2f} | {b * 1e3:6.2f} | {c:7.0%} | "
+                          f"{d * 1e3:8.2f} | {e * 1e3:6.2f} | {f:7.0%}")
     return results
 
 

@@ -68,7 +68,7 @@ def collective_costs(numel: int, repeats: int = 7) -> str:
     return "\n".join(f"  {name:<44} {bench.median(t) * 1e3:7.1f} ms" for name, t in times.items())
 
 
-def zero(args, repeats: int = 25) -> list[bench.Result]:
+def zero(args, repeats: int = 61) -> list[bench.Result]:
     widths = (512, 1024, 1024, 512)
     runs = {stage: build_zero("mini zero", widths, torch.float32, stage, collectives="native") for stage in (1, 2)}
     native = build_zero("torch zero", widths, torch.float32)

@@ -14,7 +14,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from mini_dist import bench, launch
 from mini_dist.loss_scaling import DynamicLossScaler
 
-TENSORS, NUMEL, REPEATS = 100, 10_000, 30
+TENSORS, NUMEL, REPEATS = 100, 10_000, 101
 
 
 def iteration(scaler, optimizer):
@@ -40,7 +40,7 @@ def loss_scaling(args) -> list[bench.Result]:
         sides[name] = iteration(scaler, torch.optim.SGD(params, lr=0.0))
     return [bench.compare("loss scaler, 1 rank vs GradScaler", sides["ours alone"], sides["GradScaler"],
                           REPEATS, 1.5, warmup=3, note=f"{TENSORS} x {NUMEL} fp32"),
-            bench.compare(f"loss scaler, {world} ranks vs ShardedGradScaler", sides["ours agreed"],
+            bench.compare(f"loss scaler, {world} rank{'s' * (world > 1)} vs ShardedGradScaler", sides["ours agreed"],
                           sides["ShardedGradScaler"], REPEATS, 1.5, warmup=3, note="inf flag across ranks")]
 
 
