@@ -83,21 +83,22 @@ class DynamicLossScaler:
         """Divide the gradients by the scale and agree with every rank of the group on inf/NaN."""
         if id(optimizer) in self._found_inf:
             raise RuntimeError("unscale_() was already called on this optimizer since the last update()")
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
-        device = grads[0].device if grads else params[0].device
+        # one pass over the parameters, each .grad read once: per parameter, Python time adds up
+        grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None
+                 and g.numel()]
+        device = grads[0].device if grads else optimizer.param_groups[0]["params"][0].device
         K, me = (dist.get_world_size(self.group), dist.get_rank(self.group)) if dist.is_initialized() else (1, 0)
-        fp16 = any(g.dtype == torch.float16 for g in grads)
+        fp16 = torch.float16 in {g.dtype for g in grads}
         # One number per rank, reduced with MAX: 1 if inf/NaN, 2 if fp16 gradients (an error, named below).
         # inf/NaN is checked before dividing, as GradScaler flags the scaled values: one L2 norm per
         # tensor in one foreach call, which inf and NaN survive. Squares of huge finite values overflow
         # it too, so a non-finite norm is looked at again, exactly (overflow steps are the rare ones).
         status = torch.full((1,), 2.0 * fp16, device=device)
         if grads:
-            finite = torch.stack(torch._foreach_norm(grads, 2)).isfinite()
-            if not finite.all():
-                finite = torch.stack([g.isfinite().all() for g in grads])
-            status += finite.all().logical_not()
+            finite = torch.stack(torch._foreach_norm(grads, 2)).isfinite().all()
+            if not finite:
+                finite = torch.stack([g.isfinite().all() for g in grads]).all()
+            status += finite.logical_not()
         if K > 1:  # every rank learns the same before acting: a bad input makes all of them raise
             dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.group)
         if status >= 2:  # every rank is here: one more all-reduce, of a slot per rank, names them
