@@ -2,7 +2,7 @@
 
     ./run.sh bench 4 collectives        (and ./run.sh bench 2 collectives)
 
-Three parts, all in one run:
+Four parts, all in one run:
 - the table: ring / native time for all-reduce, reduce-scatter and all-gather, D from 4 KiB to 16 MiB
   (D = the whole tensor: the all-reduced one, the reduce-scatter's input, the all-gather's output). Targets:
   <= 1.2x from 256 KiB up, where bytes dominate; <= 2x below, where each of the 2(N-1) steps is a
@@ -29,7 +29,9 @@ I/O thread wakes, finds the lock taken and goes back to epoll_wait, which report
 socket at once: it spins, and it can hold the core the lock holder needs until the scheduler's next
 tick. perf sched shows such runs of the I/O thread lasting 4-5 ms, perf record puts them in epoll_wait
 and Pair::handleEvents. gloo's all-reduce posts the same sends from its worker thread and stalls too,
-but less often; at N >= 3 sends (left) and receives (right) use different pairs and locks.
+from 256 KiB to 4 MiB less often than the ring; at N >= 3 sends (left) and receives (right) use
+different pairs and locks. (batch_isend_irecv would not change this on gloo: the backend does not
+coalesce, so torch runs it as the same isend/irecv calls, one by one.)
 """
 import contextlib
 import time
