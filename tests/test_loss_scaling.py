@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import harness
 from harness import RankFailure, device, rank_generator, run, subgroup
+from mini_dist import loss_scaling
 from mini_dist.loss_scaling import DynamicLossScaler
 from mini_dist.mixed_precision import MasterWeights
 
@@ -255,6 +256,37 @@ def test_finite_gradients_whose_squares_overflow_are_not_an_overflow_and_a_real_
     (steps, scale, params), (ref_steps, ref_scale, ref_params) = huge_gradients(poison)
     assert (steps, scale) == (ref_steps, ref_scale) == ((1, 1.0) if poison is None else (0, 0.5))
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+
+
+SIZES = [(), (0,), (3,), (2, 5), (4, 300), (loss_scaling.FOLD,), (loss_scaling.FOLD + 1,)]  # folded or not
+
+
+@pytest.mark.single_process
+@settings(max_examples=60)
+@given(shapes=st.lists(st.sampled_from(SIZES), min_size=1, max_size=6), dtype=st.sampled_from(
+       [torch.float32, torch.bfloat16, torch.float64]), poison=st.sampled_from([None, *sorted(KINDS)]),
+       where=st.integers(0, 10**6), magnitude=st.sampled_from([1.0, 1e30, 1e38]), seed=st.integers(0, 99))
+@example(shapes=[(3,), (3,)], dtype=torch.float32, poison="inf", where=0, magnitude=1.0, seed=0)  # the first
+@example(shapes=[(2, 5), (4, 300)], dtype=torch.float32, poison="nan", where=10**6, magnitude=1.0, seed=0)
+def test_the_quick_inf_check_never_calls_a_non_finite_step_finite_and_forgets_the_last_step(
+        shapes, dtype, poison, where, magnitude, seed):
+    g = torch.Generator().manual_seed(seed)
+    grads = [(magnitude * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype) for shape in shapes]
+    exact = lambda: all(bool(x.isfinite().all()) for x in grads)  # noqa: E731
+    sizes = [x.numel() for x in grads]
+    if poison is not None and sum(sizes):
+        i = where % sum(sizes)  # the element it lands on, counted over all the gradients
+        k = next(k for k in range(len(sizes)) if i < sum(sizes[:k + 1]))
+        grads[k].view(-1)[i - sum(sizes[:k])] = KINDS[poison]
+    quick = loss_scaling.all_finite(grads)
+    assert not quick or exact()  # "finite" is always true; "not finite" may be an overflow (looked at again)
+    if magnitude == 1.0:  # nothing near overflow: the quick answer is the exact one
+        assert quick == exact()
+        for x in grads:  # the next step's clean gradients, same shapes: the scratch kept nothing
+            x.copy_(torch.randn(x.shape, generator=g, dtype=torch.float64))
+        assert loss_scaling.all_finite(grads)
+    scratch, views = next(iter(loss_scaling._FOLDED.values()), (torch.empty(0), []))
+    assert len(loss_scaling._FOLDED) <= 1 and scratch.numel() <= loss_scaling.FOLD
 
 
 # ----- misuse -----

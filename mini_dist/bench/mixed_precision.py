@@ -5,7 +5,8 @@ gradients as they are and every iteration does the same work. Two pairs: our Dyn
 group of one rank against torch.amp.GradScaler (no communication on either side), and ours over every
 rank against torch.distributed.fsdp.ShardedGradScaler, which all-reduces its inf flag across the group.
 GradScaler checks and unscales in one fused kernel (torch._amp_foreach_non_finite_check_and_unscale_);
-ours makes two foreach passes, an L2 norm per tensor (inf and NaN survive it) and then g * 1/S.
+ours makes two foreach passes: the gradients added into one scratch and summed once (inf and NaN survive
+addition), then g * 1/S.
 """
 import torch
 import torch.distributed as dist
