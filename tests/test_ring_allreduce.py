@@ -31,13 +31,14 @@ def draw_tensor(seed, shape, dtype, op):
 
 @contextlib.contextmanager
 def pipelined(segment_bytes, in_flight):
-    """The ring with segments of segment_bytes and in_flight receives posted ahead in the reduce-scatter."""
-    saved = ra.SEGMENT_BYTES, ra.IN_FLIGHT
-    ra.SEGMENT_BYTES, ra.IN_FLIGHT = segment_bytes, in_flight
+    """The ring with segments of segment_bytes and in_flight receives posted ahead in the reduce-scatter
+    (and in the exchange at N = 2)."""
+    saved = ra.SEGMENT_BYTES, ra.IN_FLIGHT, ra.EXCHANGE_AHEAD
+    ra.SEGMENT_BYTES, ra.IN_FLIGHT, ra.EXCHANGE_AHEAD = segment_bytes, in_flight, in_flight
     try:
         yield
     finally:
-        ra.SEGMENT_BYTES, ra.IN_FLIGHT = saved
+        ra.SEGMENT_BYTES, ra.IN_FLIGHT, ra.EXCHANGE_AHEAD = saved
 
 
 # 512 and 4096 B cut the drawn tensors into several segments per chunk; 1 and 3 receives ahead shift which
@@ -194,7 +195,8 @@ def scratch_after(sizes):
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_receive_scratch_is_one_buffer_per_dtype_reused_by_every_call_and_bounded(world):
     # a fresh MiB is 256 page faults when the data lands in it: the ring keeps its scratch between calls,
-    # one buffer per dtype and device, never above IN_FLIGHT segments however large the tensor
+    # one buffer per dtype and device, never above IN_FLIGHT segments (EXCHANGE_AHEAD at N = 2) however
+    # large the tensor
     sizes = [300, 1 << 20, 5 << 20, 1 << 20, 300]  # 1.2 KB, 4 MiB, 20 MiB, 4 MiB again, 1.2 KB again
     for seen in run(world, scratch_after, sizes):
         fp32, fp64 = seen[len(sizes) - 1], seen[-1]
@@ -205,7 +207,8 @@ def test_the_receive_scratch_is_one_buffer_per_dtype_reused_by_every_call_and_bo
             for (n0, ptr0), (n1, ptr1) in zip(steps, steps[1:]):
                 assert n1 >= n0 and (n1 > n0 or ptr1 == ptr0)  # new memory only to grow, never per call
             assert steps[-1] == steps[len(sizes) - 3]  # after the largest call: the same memory
-            assert ra.SEGMENT_BYTES < steps[-1][0] * elem <= ra.IN_FLIGHT * ra.SEGMENT_BYTES
+            ahead = ra.EXCHANGE_AHEAD if world == 2 else ra.IN_FLIGHT
+            assert ra.SEGMENT_BYTES < steps[-1][0] * elem <= ahead * ra.SEGMENT_BYTES
 
 
 def what_travels(numel):
@@ -322,7 +325,8 @@ def die_during_all_reduce(dead):
             isend(*args, **kwargs).wait()
             os._exit(0)
         dist.isend = send_then_vanish
-    ra.ring_all_reduce(torch.ones(1000))
+    with pipelined(2048, 2):  # 4000 B: two pieces at N = 2, so the peer still waits for the second one
+        ra.ring_all_reduce(torch.ones(1000))
 
 
 @pytest.mark.parametrize("world, dead", [(3, 2), (4, 1), (2, 0)])
