@@ -31,7 +31,9 @@ tick. perf sched shows such runs of the I/O thread lasting 4-5 ms, perf record p
 and Pair::handleEvents. gloo's all-reduce posts the same sends from its worker thread and stalls too,
 from 256 KiB to 4 MiB less often than the ring; at N >= 3 sends (left) and receives (right) use
 different pairs and locks. (batch_isend_irecv would not change this on gloo: the backend does not
-coalesce, so torch runs it as the same isend/irecv calls, one by one.)
+coalesce, so torch runs it as the same isend/irecv calls, one by one.) At N = 2 the all-reduce is one
+exchange of the whole tensor (ring_allreduce._exchange) with its receives posted first, 4 ahead: of the
+orders and depths measured, the one that stalled least.
 """
 import contextlib
 import time
@@ -51,9 +53,10 @@ def target(nbytes: int) -> float:
 
 
 def repeats(nbytes: int) -> int:
-    """Enough pairs that the median ratio is stable from run to run (with 9 pairs at 4 MiB one run said
-    0.9x and the next 1.9x: a third of the calls lose milliseconds to the scheduler, at random)."""
-    return max(41, min(101, (128 << 20) // nbytes))
+    """Enough pairs that the median ratio is stable from run to run: a third of the calls lose
+    milliseconds to the scheduler, at random. With 9 pairs at 4 MiB one run said 0.9x and the next 1.9x;
+    with 41, the 2-rank all-reduce at 4 MiB still moved between 1.0x and 1.33x on one day."""
+    return 101
 
 
 def size_name(kib: int) -> str:
@@ -182,8 +185,9 @@ def run_collectives(args) -> list[bench.Result]:
     launch.print0(f"memory-copy bandwidth, one core: {copy.item() / 1e9:.1f} GB/s; the best bus bandwidth above: "
                   f"ring {max(v[0] for v in busbw.values()):.2f}, gloo {max(v[1] for v in busbw.values()):.2f} GB/s "
                   f"(each byte crosses the kernel twice on TCP loopback, and {n} ranks share the cores)")
-    launch.print0(f"\nwhere one ring all-reduce's time goes on {n} ranks, 2(N-1) = {2 * n - 2} steps (slowest rank, "
-                  f"median of 9, ms; Python = the rest, this profiler's own few us per call included):")
+    steps = "one exchange with both phases fused" if n == 2 else f"2(N-1) = {2 * n - 2} steps"
+    launch.print0(f"\nwhere one ring all-reduce's time goes on {n} ranks, {steps} (slowest rank, median of 9, ms; "
+                  f"Python = the rest, this profiler's own few us per call included):")
     launch.print0(f"{'D':>7} | {'ring':>7} | {'posting':>7} | {'waiting':>7} | {'reducing':>8} | {'Python':>7} | "
                   f"{'gloo':>7}")
     for kib in SIZES_KIB:
