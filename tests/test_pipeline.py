@@ -2,6 +2,7 @@
 like torch.distributed.pipelining on the same split, sends what the schedule says, and ranks that disagree,
 or vanish, are named. (The schedules themselves are tested as data in test_pipeline_schedules.py.)"""
 import contextlib
+import dataclasses
 import itertools
 import os
 import time
@@ -179,11 +180,11 @@ def test_fewer_microbatches_than_stages_and_a_single_stage_still_train_exactly(P
     check_step(4, list(range(P)), None, P * 10 + M, [3, 5, 4, 2], True, 2, M, name, 1, "mse")
 
 
-def step_on_a_batch(batch, n_microbatches, first_has_inputs=True):
+def step_on_a_batch(batch, n_microbatches, first_has_inputs=True, n_targets=None):
     """Inputs only on the first stage, targets only on the last: the middle must still reject alike."""
     P, s = dist.get_world_size(), dist.get_rank()
     stage = pipeline_chunks(nn.Sequential(*[nn.Linear(2, 2) for _ in range(P)]).to(device()))[0]
-    x, y = torch.randn(batch, 2, device=device()), torch.randn(batch, 2, device=device())
+    x, y = torch.randn(batch, 2, device=device()), torch.randn(n_targets or batch, 2, device=device())
     return pipeline_step(stage, SCHEDULES["gpipe"](P, n_microbatches), x if s == 0 and first_has_inputs else None,
                          y if s == P - 1 else None, nn.MSELoss())[0]
 
@@ -194,7 +195,8 @@ def stage_of_two_layers():
 
 @pytest.mark.parametrize("args, error", [((10, 4), "a batch of 10 inputs and 10 targets cannot be cut into 4 "
                                                     "equal microbatches"),
-                                         ((12, 4, False), "the first stage needs `inputs`")])
+                                         ((12, 4, False), "the first stage needs `inputs`"),
+                                         ((12, 4, True, 8), "a batch of 12 inputs and 8 targets cannot be cut")])
 def test_every_rank_rejects_a_bad_batch_alike_and_none_hangs(args, error):
     with pytest.raises(RankFailure) as info:
         run(3, step_on_a_batch, *args)
@@ -247,6 +249,36 @@ def test_ranks_that_built_different_schedules_all_raise_at_once_naming_them(sche
     for rank in range(4):
         assert f"rank {rank} failed: ValueError: pipeline ranks disagree on the schedule: {named}" in str(info.value)
     assert run(4, step_with, everyone_builds_1f1b)[3] is not None  # the pool stayed in step
+
+
+def step_where(rank_differs, how):
+    """One 1f1b step (M = 4) in which rank `rank_differs` holds two chunks, or a schedule with two actions
+    swapped, or every rank runs a schedule built for one stage fewer."""
+    P, s = dist.get_world_size(), dist.get_rank()
+    layers = nn.Sequential(*[nn.Linear(2, 2) for _ in range(2 * P)]).to(device())
+    chunks = pipeline_chunks(layers, None, 2 if how == "chunks" and s == rank_differs else 1)
+    plan = SCHEDULES["1f1b"](P - (how == "stages"), 4)
+    if how == "actions" and s == rank_differs:  # the same name, M, stages and chunks: only the checksum differs
+        mine = list(plan.actions[s])
+        mine[0], mine[1] = mine[1], mine[0]
+        plan = dataclasses.replace(plan, actions=plan.actions[:s] + (tuple(mine),) + plan.actions[s + 1:])
+    x, y = torch.randn(4, 2, device=device()), torch.randn(4, 2, device=device())
+    return pipeline_step(chunks, plan, x, y, nn.MSELoss())[0]
+
+
+@pytest.mark.parametrize("how, said", [
+    ("chunks", "the schedule runs 3 stages x 1 chunk(s) per rank, but the pipeline group has 3 ranks, holding "
+               "chunks: ranks 0, 2: 1; rank 1: 2"),
+    ("stages", "the schedule runs 2 stages x 1 chunk(s) per rank, but the pipeline group has 3 ranks"),
+    ("actions", "pipeline ranks hold different actions under one name, 1f1b: ranks 0, 2: checksum")])
+def test_ranks_with_other_chunks_actions_or_stages_all_raise_at_once_naming_them(how, said):
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run(3, step_where, 1, how)
+    assert time.monotonic() - start < 10
+    for rank in range(3):
+        assert f"rank {rank} failed: ValueError: {said}" in str(info.value)
+    assert run(3, step_where, 1, "nothing")[2] is not None  # the pool stayed in step
 
 
 class ShrinksAfterTheFirstCall(nn.Module):
