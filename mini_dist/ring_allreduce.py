@@ -212,10 +212,10 @@ def _ring_steps(chunks: list[torch.Tensor], steps: range, group, name: str, op=S
 
 
 def _exchange(flat: torch.Tensor, group, name: str, op) -> None:
-    """The ring of two ranks, its two phases fused. Each rank would send half A (reduce-scatter), then its
-    reduced half B (all-gather). Sending its own half B at once instead lets the peer reduce B itself: the
-    same D bytes, one step instead of two, D/2 more additions per rank (recursive doubling at N = 2,
-    Thakur, Rabenseifner & Gropp 2005). Two operands commute exactly, so the sums are still gloo's."""
+    """The ring of two ranks, its two phases fused. Each rank would send the peer's half (reduce-scatter),
+    then its own half once reduced (all-gather). Sending its own half as it is, at once, lets the peer
+    reduce that half too: the same D bytes, one step instead of two, D/2 more additions per rank (recursive
+    doubling at N = 2, Thakur, Rabenseifner & Gropp 2005). Two operands commute exactly: still gloo's sums."""
     peer, pieces, ahead = 1 - dist.get_rank(group), _segments([flat])[0], EXCHANGE_AHEAD
     scratch = _scratch(pieces[0], ahead)
     landing = lambda k: scratch[k % ahead][:pieces[k].numel()]  # noqa: E731
