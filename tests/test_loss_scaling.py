@@ -264,7 +264,7 @@ SIZES = [(), (0,), (3,), (2, 5), (4, 300), (loss_scaling.FOLD,), (loss_scaling.F
 @pytest.mark.single_process
 @settings(max_examples=60)
 @given(shapes=st.lists(st.sampled_from(SIZES), min_size=1, max_size=6), dtype=st.sampled_from(
-       [torch.float32, torch.bfloat16, torch.float64]), poison=st.sampled_from([None, *sorted(KINDS)]),
+       [torch.float32, torch.bfloat16, torch.float64, torch.complex64]), poison=st.sampled_from([None, *sorted(KINDS)]),
        where=st.integers(0, 10**6), magnitude=st.sampled_from([1.0, 1e30, 1e38]), seed=st.integers(0, 99))
 @example(shapes=[(3,), (3,)], dtype=torch.float32, poison="inf", where=0, magnitude=1.0, seed=0)  # the first
 @example(shapes=[(2, 5), (4, 300)], dtype=torch.float32, poison="nan", where=10**6, magnitude=1.0, seed=0)
