@@ -46,7 +46,7 @@ def loss_scaling(args) -> list[bench.Result]:
     return [bench.compare("loss scaler, 1 rank vs GradScaler", sides["ours alone"], sides["GradScaler"],
                           REPEATS, 1.5, warmup=3, note=NOTE),
             bench.compare(f"loss scaler, {world} rank{'s' * (world > 1)} vs ShardedGradScaler", sides["ours agreed"],
-                          sides["ShardedGradScaler"], REPEATS, 1.5, warmup=3, note=f"inf flag across ranks, times per {PER_SAMPLE} iterations")]
+                          sides["ShardedGradScaler"], REPEATS, 1.5, warmup=3, note=f"inf flag across ranks; {NOTE}")]
 
 
 BENCHES = {"mixed_precision": loss_scaling}

@@ -6,9 +6,9 @@ A stack of Linear(h, h) + GELU layers (fp32), cut into P stages (P*v virtual sta
 schedules), M = 2P microbatches, our executor and torch's PipelineStage + schedule on the same chunks, in
 turns. Both run the same matmuls and send the same activations; what differs is the bookkeeping: we agree
 on the schedule once per step (an all-gather of four integers) and post each send with the next receive;
-torch posts its own batches of sends and receives. With 4 ranks on 2 cores the stages cannot compute side by side, so
-these are the executors' costs, not the bubble (mini_dist/pipeline.py measures the bubble on sleeping
-stages). The last row is the price of MINI_DIST_DEBUG=1 (a header checked with every message). 31 pairs
+torch posts its own batches of sends and receives. With 4 ranks on 2 cores the stages cannot compute side
+by side, so these are the executors' costs, not the bubble (mini_dist/pipeline.py measures the bubble on
+sleeping stages). The last row is the price of MINI_DIST_DEBUG=1 (a header checked with every message). 31 pairs
 a row: with 7, the zero-bubble row moved between 1.07x and 1.28x from one run to the next.
 """
 import torch
