@@ -219,17 +219,28 @@ def _exchange(flat: torch.Tensor, group, name: str, op) -> None:
     peer, pieces, ahead = 1 - dist.get_rank(group), _segments([flat])[0], EXCHANGE_AHEAD
     scratch = _scratch(pieces[0], ahead)
     landing = lambda k: scratch[k % ahead][:pieces[k].numel()]  # noqa: E731
-    recvs = [_post(dist.irecv, landing(k), peer, group) for k in range(min(ahead, len(pieces)))]  # before
-    sends = [_post(dist.isend, piece, peer, group) for piece in pieces]  # the peer's sends can reach them
-    for k, piece in enumerate(pieces):
-        if launch.VERBOSE:
-            launch.trace(f"{name}, N = 2, one exchange: segment {k} of the whole tensor -> rank {peer}, "
-                         f"rank {peer}'s <- and reduced into ours")
-        _wait(recvs[k], group, name)
-        _wait(sends[k], group, name)  # the piece is ours to change only once it has left
-        reduce_into(piece, landing(k), op)
-        if k + ahead < len(pieces):
-            recvs.append(_post(dist.irecv, landing(k + ahead), peer, group))
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        # NCCL runs a rank's sends and receives in order on one stream, and a receive waits for its data:
+        # queued before the peer's send, it would wait forever. A group per piece (ncclGroupStart/End, through
+        # batch_isend_irecv) moves both ways at once. gloo does not group: it keeps the order measured best.
+        for k, piece in enumerate(pieces):
+            LEDGER.sent, LEDGER.received = LEDGER.sent + piece.nbytes, LEDGER.received + piece.nbytes
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, landing(k), group=group, group_peer=peer),
+                                                dist.P2POp(dist.isend, piece, group=group, group_peer=peer)]):
+                _wait((work, "exchanging with", peer), group, name)
+            reduce_into(piece, landing(k), op)
+    else:
+        recvs = [_post(dist.irecv, landing(k), peer, group) for k in range(min(ahead, len(pieces)))]  # before
+        sends = [_post(dist.isend, piece, peer, group) for piece in pieces]  # the peer's sends can reach them
+        for k, piece in enumerate(pieces):
+            if launch.VERBOSE:
+                launch.trace(f"{name}, N = 2, one exchange: segment {k} of the whole tensor -> rank {peer}, "
+                             f"rank {peer}'s <- and reduced into ours")
+            _wait(recvs[k], group, name)
+            _wait(sends[k], group, name)  # the piece is ours to change only once it has left
+            reduce_into(piece, landing(k), op)
+            if k + ahead < len(pieces):
+                recvs.append(_post(dist.irecv, landing(k + ahead), peer, group))
     if op == AVG:
         flat.div_(2)
 

@@ -236,6 +236,35 @@ def test_at_two_ranks_the_two_phases_fuse_into_one_exchange_of_the_whole_tensor(
         assert max(sizes) * 4 <= ra.SEGMENT_BYTES and len(sizes) == -(-numel * 4 // ra.SEGMENT_BYTES)
 
 
+def exchange_in_groups(seed, op, numel):
+    """The N = 2 exchange as it runs under NCCL (one batch_isend_irecv per piece), run on gloo, where a batch
+    is the same calls one by one: (equal to gloo's all-reduce, the batches posted as (op, numel) pairs)."""
+    group, real, batches = subgroup([0, 1]), (dist.get_backend, dist.batch_isend_irecv), []
+    dist.get_backend = lambda g=None: dist.Backend.NCCL if g is group else real[0](g)
+    dist.batch_isend_irecv = lambda ops: batches.append([(o.op.__name__, o.tensor.numel()) for o in ops]) or \
+        real[1](ops)
+    x = draw_tensor(seed, (numel,), torch.float32, op)
+    ra.LEDGER.reset()
+    try:
+        with pipelined(4096, 2):  # 4 kB pieces: several groups, the 2 scratch slots reused
+            ours = ra.ring_all_reduce(x.clone(), OPS[op], group=group)
+    finally:
+        dist.get_backend, dist.batch_isend_irecv = real
+    native = x.clone()
+    dist.all_reduce(native, op=OPS[op], group=group)
+    return torch.equal(ours, native), batches, (ra.LEDGER.sent, ra.LEDGER.received)
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "product"])
+def test_under_nccl_the_exchange_pairs_each_receive_with_its_send_in_one_group_and_sums_alike(op):
+    # NCCL runs a rank's sends and receives in order on one stream: a receive queued before the peer's send
+    # would wait forever, so every piece goes as one group (no device here: the branch runs on gloo)
+    numel = 3 * 1024 + 5  # 12,308 B in 4,096 B pieces: four, cut alike (770, 770, 770, 767 values)
+    for same, batches, ledger in run(2, exchange_in_groups, 7, op, numel):
+        assert same and ledger == (4 * numel, 4 * numel)  # D each way, as the ring
+        assert batches == [[("irecv", n), ("isend", n)] for n in (770, 770, 770, 767)]
+
+
 def naive_equals_native(seed, world_shape):
     x = draw_tensor(seed, world_shape, torch.int64, "sum")
     native = x.clone()
