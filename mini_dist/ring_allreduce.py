@@ -19,8 +19,8 @@ Speed comes from keeping the wire busy, as gloo does. The all-reduce is one stre
 which the chunk received at step j is the one sent at step j+1: a chunk travels in segments of at most
 SEGMENT_BYTES, each moving on the moment it has arrived (and been reduced), and every receive is posted
 before its data can arrive, so the transport writes straight into place. At N = 2 both neighbours are one
-rank and the two phases fuse into one exchange of the whole tensor (_exchange): the same D bytes, one step
-instead of two (measured on 2 vCPUs: 0.7-1.1x gloo's time, where the two phases took 1.0-1.4x).
+rank and, on gloo, the two phases fuse into one exchange of the whole tensor (_exchange): the same D bytes,
+one step instead of two (measured on 2 vCPUs: 0.7-1.1x gloo's time, where the two phases took 1.0-1.4x).
 Whether the ranks agree on shape, dtype and op is checked under MINI_DIST_DEBUG=1 only (mini_dist.debug.agree,
 as TORCH_DISTRIBUTED_DEBUG=DETAIL does): the check is one more latency-bound collective per call.
 
@@ -219,28 +219,17 @@ def _exchange(flat: torch.Tensor, group, name: str, op) -> None:
     peer, pieces, ahead = 1 - dist.get_rank(group), _segments([flat])[0], EXCHANGE_AHEAD
     scratch = _scratch(pieces[0], ahead)
     landing = lambda k: scratch[k % ahead][:pieces[k].numel()]  # noqa: E731
-    if dist.get_backend(group) == dist.Backend.NCCL:
-        # NCCL runs a rank's sends and receives in order on one stream, and a receive waits for its data:
-        # queued before the peer's send, it would wait forever. A group per piece (ncclGroupStart/End, through
-        # batch_isend_irecv) moves both ways at once. gloo does not group: it keeps the order measured best.
-        for k, piece in enumerate(pieces):
-            LEDGER.sent, LEDGER.received = LEDGER.sent + piece.nbytes, LEDGER.received + piece.nbytes
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, landing(k), group=group, group_peer=peer),
-                                                dist.P2POp(dist.isend, piece, group=group, group_peer=peer)]):
-                _wait((work, "exchanging with", peer), group, name)
-            reduce_into(piece, landing(k), op)
-    else:
-        recvs = [_post(dist.irecv, landing(k), peer, group) for k in range(min(ahead, len(pieces)))]  # before
-        sends = [_post(dist.isend, piece, peer, group) for piece in pieces]  # the peer's sends can reach them
-        for k, piece in enumerate(pieces):
-            if launch.VERBOSE:
-                launch.trace(f"{name}, N = 2, one exchange: segment {k} of the whole tensor -> rank {peer}, "
-                             f"rank {peer}'s <- and reduced into ours")
-            _wait(recvs[k], group, name)
-            _wait(sends[k], group, name)  # the piece is ours to change only once it has left
-            reduce_into(piece, landing(k), op)
-            if k + ahead < len(pieces):
-                recvs.append(_post(dist.irecv, landing(k + ahead), peer, group))
+    recvs = [_post(dist.irecv, landing(k), peer, group) for k in range(min(ahead, len(pieces)))]  # before
+    sends = [_post(dist.isend, piece, peer, group) for piece in pieces]  # the peer's sends can reach them
+    for k, piece in enumerate(pieces):
+        if launch.VERBOSE:
+            launch.trace(f"{name}, N = 2, one exchange: segment {k} of the whole tensor -> rank {peer}, "
+                         f"rank {peer}'s <- and reduced into ours")
+        _wait(recvs[k], group, name)
+        _wait(sends[k], group, name)  # the piece is ours to change only once it has left
+        reduce_into(piece, landing(k), op)
+        if k + ahead < len(pieces):
+            recvs.append(_post(dist.irecv, landing(k + ahead), peer, group))
     if op == AVG:
         flat.div_(2)
 
@@ -250,7 +239,9 @@ def ring_all_reduce(tensor: torch.Tensor, op=SUM, group=None) -> torch.Tensor:
     _check(tensor, op, group, "ring_all_reduce")
     n = dist.get_world_size(group)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-    if n == 2 and flat.numel():
+    # (not on NCCL: it runs a rank's sends and receives in order on one stream, where the exchange's receives,
+    # posted ahead of the peer's sends, would wait forever; the ring's sends go first, as at N >= 3)
+    if n == 2 and flat.numel() and dist.get_backend(group) != dist.Backend.NCCL:
         _exchange(flat, group, "ring_all_reduce", op)
     else:
         chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), n, flat.element_size())]
