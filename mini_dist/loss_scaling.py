@@ -53,7 +53,7 @@ def to_float32(x: float) -> float:
 
 
 FOLD = 1 << 16   # elements: gradients up to this size are added into one scratch for the check
-_FOLDED: dict = {}  # (device, their shapes) -> (scratch, a view of it per gradient): one entry, the last
+_FOLDED: dict = {}  # their shapes -> (a CPU scratch, a view of it per gradient): one entry, the last
 
 
 def all_finite(grads: list[torch.Tensor]) -> bool:
@@ -67,10 +67,10 @@ def all_finite(grads: list[torch.Tensor]) -> bool:
         (small if g.is_cpu and g.numel() <= FOLD and not g.is_complex() else large).append(g)
     totals = list(torch._foreach_norm(large, 2)) if large else []
     if small:
-        key = (small[0].device, *(g.shape for g in small))  # the same every step: views made once
+        key = tuple(g.shape for g in small)  # the same every step: views made once
         if key not in _FOLDED:
             _FOLDED.clear()
-            scratch = torch.empty(max(g.numel() for g in small), device=small[0].device)
+            scratch = torch.empty(max(g.numel() for g in small))
             _FOLDED[key] = scratch, [scratch[:g.numel()].view(g.shape) for g in small]
         scratch, views = _FOLDED[key]
         scratch.zero_()

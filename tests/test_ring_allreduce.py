@@ -211,19 +211,22 @@ def test_the_receive_scratch_is_one_buffer_per_dtype_reused_by_every_call_and_bo
             assert ra.SEGMENT_BYTES < steps[-1][0] * elem <= ahead * ra.SEGMENT_BYTES
 
 
-def what_travels(numel):
-    """(the pieces a ring all-reduce sends, as they were sent; the sizes of the pieces it receives)."""
-    sent, received, saved = [], [], (dist.isend, dist.irecv)
+def what_travels(numel, as_nccl=False):
+    """One ring all-reduce on both ranks (as_nccl: their subgroup, whose backend is said to be NCCL; there is
+    no device here): (the input, the pieces sent as they were sent, the sizes received, the result, gloo's)."""
+    group = subgroup([0, 1]) if as_nccl else None
+    sent, received, saved = [], [], (dist.isend, dist.irecv, dist.get_backend)
     dist.isend = lambda piece, **k: sent.append(piece.clone()) or saved[0](piece, **k)
     dist.irecv = lambda piece, **k: received.append(piece.numel()) or saved[1](piece, **k)
+    dist.get_backend = lambda g=None: dist.Backend.NCCL if as_nccl and g is group else saved[2](g)
     x = torch.randn(numel, generator=rank_generator(1)).to(device())
     try:
-        ra.ring_all_reduce(y := x.clone())
+        ra.ring_all_reduce(y := x.clone(), group=group)
     finally:
-        dist.isend, dist.irecv = saved
+        dist.isend, dist.irecv, dist.get_backend = saved
     native = x.clone()
     dist.all_reduce(native)
-    return x, torch.cat(sent) if sent else x[:0], [p.numel() for p in sent], received, torch.equal(y, native)
+    return x, sent, received, y, native
 
 
 @pytest.mark.parametrize("numel", [1, 1000, 3 * (1 << 18) + 5])  # 4 B, 4 kB, 3 MiB + 20 B: 4 segments
@@ -231,35 +234,20 @@ def test_at_two_ranks_the_two_phases_fuse_into_one_exchange_of_the_whole_tensor(
     # Both neighbours are the same rank: each sends its own tensor, untouched, once, in segments of at most
     # SEGMENT_BYTES, receives the peer's in the same segments and reduces it (one step, not reduce-scatter
     # then all-gather): the same D bytes, and still gloo's sums (two operands commute exactly)
-    for x, sent, sizes, received, same in run(2, what_travels, numel):
-        assert torch.equal(sent, x) and sizes == received and same
+    for x, sent, received, y, native in run(2, what_travels, numel):
+        sizes = [p.numel() for p in sent]
+        assert torch.equal(torch.cat(sent), x) and sizes == received and torch.equal(y, native)
         assert max(sizes) * 4 <= ra.SEGMENT_BYTES and len(sizes) == -(-numel * 4 // ra.SEGMENT_BYTES)
-
-
-def what_travels_under_nccl(numel):
-    """what_travels on the group of both ranks, told that its backend is NCCL (no device here)."""
-    group, real = subgroup([0, 1]), dist.get_backend
-    dist.get_backend = lambda g=None: dist.Backend.NCCL if g is group else real(g)
-    sent, saved = [], dist.isend
-    dist.isend = lambda piece, **k: sent.append(piece.clone()) or saved(piece, **k)
-    x = torch.randn(numel, generator=rank_generator(1)).to(device())
-    try:
-        ra.ring_all_reduce(y := x.clone(), group=group)
-    finally:
-        dist.get_backend, dist.isend = real, saved
-    return x, sent, y
 
 
 def test_under_nccl_the_two_ranks_keep_the_rings_two_phases_sends_first():
     # NCCL runs a rank's sends and receives in order on one stream: the exchange's receives, posted ahead of
     # the peer's sends, would wait there forever. So under NCCL N = 2 runs the ring: send the peer's chunk as
     # it is, then our own chunk reduced
-    results = run(2, what_travels_under_nccl, 1000)
-    total = results[0][2]
-    for rank, (x, sent, y) in enumerate(results):
+    for rank, (x, sent, _, y, native) in enumerate(run(2, what_travels, 1000, True)):
         (a, b), (c, d) = ra.chunk_bounds(1000, 2, 4)[1 - rank], ra.chunk_bounds(1000, 2, 4)[rank]
-        assert torch.equal(y, total) and len(sent) == 2
-        assert torch.equal(sent[0], x[a:b]) and torch.equal(sent[1], total[c:d])
+        assert torch.equal(y, native) and len(sent) == 2
+        assert torch.equal(sent[0], x[a:b]) and torch.equal(sent[1], native[c:d])
 
 
 def naive_equals_native(seed, world_shape):

@@ -52,11 +52,10 @@ def target(nbytes: int) -> float:
     return 1.2 if nbytes >= 256 << 10 else 2.0
 
 
-def repeats(nbytes: int) -> int:
-    """Enough pairs that the median ratio is stable from run to run: a third of the calls lose
-    milliseconds to the scheduler, at random. With 9 pairs at 4 MiB one run said 0.9x and the next 1.9x;
-    with 41, the 2-rank all-reduce at 4 MiB still moved between 1.0x and 1.33x on one day."""
-    return 101
+# Pairs per row, enough that the median ratio is stable from run to run: a third of the calls lose
+# milliseconds to the scheduler, at random. With 9 pairs at 4 MiB one run said 0.9x and the next 1.9x;
+# with 41, the 2-rank all-reduce at 4 MiB still moved between 1.0x and 1.33x on one day.
+REPEATS = 101
 
 
 def size_name(kib: int) -> str:
@@ -162,7 +161,7 @@ def debug_cost(n: int) -> list[bench.Result]:
             finally:
                 debug.DEBUG = saved
         results.append(bench.compare(f"ring all_reduce {size_name(kib)}, MINI_DIST_DEBUG=1 vs off", with_debug,
-                                     lambda: ra.ring_all_reduce(x), repeats(kib << 10), None,
+                                     lambda: ra.ring_all_reduce(x), REPEATS, None,
                                      note="the agreement check's price"))
     return results
 
@@ -173,7 +172,7 @@ def run_collectives(args) -> list[bench.Result]:
     for kib in SIZES_KIB:
         nbytes = kib << 10
         for name, ours, native, per_d in cases(nbytes // 4, n):
-            r = bench.compare(f"ring {name} {size_name(kib)}", ours, native, repeats(nbytes), target(nbytes))
+            r = bench.compare(f"ring {name} {size_name(kib)}", ours, native, REPEATS, target(nbytes))
             gbps = lambda t: per_d * nbytes / t / 1e9  # noqa: E731
             r.note = f"busbw ring {gbps(r.ours):.2f} / gloo {gbps(r.native):.2f} GB/s"
             busbw[(name, kib)] = (gbps(r.ours), gbps(r.native))
