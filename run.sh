@@ -11,11 +11,11 @@ cd "$(dirname "$0")"
 
 # The tour: module, ranks, arguments.
 TOUR=(
-  "launch 4"
+  "kit/launch 4"
   "ring_allreduce 4"
   "topology 4 --ranks-per-node 2"
   "comm 4"
-  "debug 2"
+  "kit/debug 2"
   "ddp 4"
   "reducer 2"
   "compression 4"
@@ -28,7 +28,7 @@ TOUR=(
   "recovery 4"
   "mixed_precision 1"
   "loss_scaling 4"
-  "measure 1"
+  "kit/measure 1"
   "activation_checkpoint 1"
   "tensor_parallel 4"
   "parallel_transformer 4"
@@ -93,7 +93,7 @@ launch() {
   return "$status"
 }
 
-modules() { ls mini_dist/*.py | sed 's|mini_dist/||; s|\.py$||' | grep -v '^_' | tr '\n' ' '; }
+modules() { ls mini_dist/*.py mini_dist/kit/{launch,debug,measure}.py | sed 's|mini_dist/||; s|\.py$||' | grep -v '^_' | tr '\n' ' '; }
 
 demo() {
   local module=${1:-} nproc=4

@@ -43,8 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import launch  # noqa: E402
-from mini_dist.measure import bars, profile_step  # noqa: E402
+from mini_dist.kit import launch
+from mini_dist.kit.measure import bars, profile_step
 
 
 def rng_state(tensors) -> tuple:

@@ -48,7 +48,8 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/checkpoint.py`: Python put mini_dist/ on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import bench, launch  # noqa: E402
+
+from mini_dist.kit import launch, timing
 
 MANIFEST = "manifest.json"
 
@@ -291,7 +292,7 @@ def demo(args) -> int:
     dist.broadcast_object_list(where)
     path, N, rows = os.path.join(where[0], "step_7"), sum(t.numel() for t in full.values()), [None] * K
 
-    ms = bench.timed(lambda: save(state, path)) * 1e3  # on the slowest rank
+    ms = timing.timed(lambda: save(state, path)) * 1e3  # on the slowest rank
     dist.all_gather_object(rows, (sum(d.nbytes for v in state.values() if isinstance(v, Sharded) for _, d in v.boxes),
                                   os.path.getsize(os.path.join(path, f"rank_{rank:05d}.bin"))))
     launch.print0(f"3 fp32 tensors of N = {N:,} elements cut by rows over K = {K}, an int64 step, a literal: "
@@ -300,7 +301,7 @@ def demo(args) -> int:
                   + f"  {MANIFEST}   {os.path.getsize(os.path.join(path, MANIFEST)):>8,} B, written last by rank 0")
     exact = all(size == b + 8 * (r == 0) for r, (b, size) in enumerate(rows)) and sum(b for b, _ in rows) == 4 * N
     back = {**{n: share(torch.zeros_like(t), rank, K) for n, t in full.items()}, "step": torch.tensor(0), "data": None}
-    ms = bench.timed(lambda: load(back, path)) * 1e3
+    ms = timing.timed(lambda: load(back, path)) * 1e3
     equal = bool(back["step"] == 7) and back["data"] == state["data"] and all(
         torch.equal(a, b) for n in full for (_, a), (_, b) in zip(back[n].boxes, state[n].boxes))
     launch.print0(f"loaded in {ms:.1f} ms: {'bit for bit equal' if equal else 'DIFFERENT'} (other world sizes "

@@ -41,8 +41,8 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/comm.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mini_dist import launch  # noqa: E402
-from mini_dist.debug import Disagreement, agree  # noqa: E402,F401  (every collective here is agreed on)
+from mini_dist.kit import launch
+from mini_dist.kit.debug import Disagreement, agree  # noqa: F401  (every collective here is agreed on)
 
 SEQ = 1  # the sequence dim of [batch, seq, hidden]
 

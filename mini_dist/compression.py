@@ -36,8 +36,9 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/compression.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import comm, launch  # noqa: E402
-from mini_dist.ddp import DistributedDataParallel, launch_on_comm_thread  # noqa: E402
+from mini_dist import comm
+from mini_dist.kit import launch
+from mini_dist.ddp import DistributedDataParallel, launch_on_comm_thread
 
 
 def _in_background(fn, bucket, group) -> torch.futures.Future[torch.Tensor]:

@@ -38,8 +38,9 @@ import torch.nn.functional as F
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import comm, launch  # noqa: E402
-from mini_dist.sequence_layout import (CONTIGUOUS, LAYOUTS, SEQ_DIM, ZIGZAG, chunk_ids, rank_order,  # noqa: E402
+from mini_dist import comm
+from mini_dist.kit import launch
+from mini_dist.sequence_layout import (CONTIGUOUS, LAYOUTS, SEQ_DIM, ZIGZAG, chunk_ids, rank_order,
                                        reorder_chunks, split_sequence)
 
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)

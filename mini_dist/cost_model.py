@@ -42,7 +42,7 @@ import torch
 
 if not __package__:  # run as `python mini_dist/cost_model.py`: put the repo, not mini_dist/, on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import launch  # noqa: E402
+from mini_dist.kit import launch
 
 GB = 1e9
 PRECISIONS = {"fp32": (4, 4, 0), "bf16": (2, 2, 4), "fp16": (2, 2, 4), "fp64": (8, 8, 0)}  # weight, grad, master

@@ -30,10 +30,10 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/ddp.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import launch  # noqa: E402
-from mini_dist.reducer import Reducer, Timeline, build_buckets  # noqa: E402
-from mini_dist.reducer import launch_on_comm_thread  # noqa: E402, F401  (re-exported for compression.py)
-from mini_dist.ring_allreduce import LEDGER, ring_all_reduce  # noqa: E402
+from mini_dist.kit import launch
+from mini_dist.reducer import Reducer, Timeline, build_buckets
+from mini_dist.reducer import launch_on_comm_thread  # noqa: F401  (re-exported for compression.py)
+from mini_dist.ring_allreduce import LEDGER, ring_all_reduce
 
 DEFAULT_CAP_MB, DEFAULT_FIRST_CAP_MB = 25, 1  # torch's defaults (bucket_cap_mb=None)
 

@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import comm, launch  # noqa: E402
-from mini_dist.moe import MoE, bars, route, skewed_tokens  # noqa: E402
+from mini_dist import comm
+from mini_dist.kit import launch
+from mini_dist.moe import MoE, bars, route, skewed_tokens
 
 
 def p2p_all_to_all(out, x, output_splits, input_splits, group=None):

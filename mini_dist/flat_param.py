@@ -198,14 +198,14 @@ def agree(units: list, wrong: list, problem: str, group=None) -> None:
 # ----- demo: who holds what, and the way back to whole tensors -----
 
 def parser():
-    from mini_dist import launch
+    from mini_dist.kit import launch
     p = launch.demo_parser(__doc__)
     p.add_argument("--sizes", type=int, nargs="+", default=[5, 3, 2], help="widths of a Linear stack (one unit)")
     return p
 
 
 def demo(args) -> int:
-    from mini_dist import launch
+    from mini_dist.kit import launch
     launch.require(len(args.sizes) >= 2 and min(args.sizes) >= 1, "--sizes needs two or more widths >= 1")
     env = launch.setup()
     torch.manual_seed(0)  # every rank builds the same model
@@ -237,5 +237,5 @@ def demo(args) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from mini_dist import launch as _launch
+    from mini_dist.kit import launch as _launch
     raise SystemExit(_launch.main(parser(), demo))

@@ -47,7 +47,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 if not __package__:  # run as `torchrun mini_dist/fsdp.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import bench, flat_param, launch  # noqa: E402
+from mini_dist import flat_param
+from mini_dist.kit import launch, timing
 
 class Ledger:
     """One rank's events since reset(): (phase, unit, what, bytes sent, gathered bytes after), and the peak."""
@@ -287,7 +288,7 @@ def demo(args) -> int:
     models = {k: make_model(args.width, 4 * args.width, args.depth, torch.float32, env.device, **o)
               for k, o in kinds.items()}
     steps = {k: partial(train_step, m, torch.optim.Adam(m.parameters(), lr=1e-4), x, y) for k, m in models.items()}
-    seconds = {k: bench.median(t) for k, t in bench.paired(steps, args.repeats).items()}
+    seconds = {k: timing.median(t) for k, t in timing.paired(steps, args.repeats).items()}
     for k, m in models.items():
         m.ledger.reset()
         steps[k]()  # the step the ledger shows

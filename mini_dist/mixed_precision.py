@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import launch  # noqa: E402
-from mini_dist.loss_scaling import DynamicLossScaler  # noqa: E402
+from mini_dist.kit import launch
+from mini_dist.loss_scaling import DynamicLossScaler
 
 FORMATS = [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]
 

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import comm, launch  # noqa: E402
+from mini_dist import comm
+from mini_dist.kit import launch
 
 Routing = namedtuple("Routing", "expert weight keep aux")  # [n, k] ids, [n, k] w_j, [n, k] slot found, scalar
 

@@ -42,17 +42,18 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import cost_model, expert_parallel, launch, tensor_parallel  # noqa: E402
-from mini_dist.activation_checkpoint import checkpoint_module  # noqa: E402
-from mini_dist.comm import COUNTER, all_reduce  # noqa: E402
-from mini_dist.context_parallel import ring_attention  # noqa: E402
-from mini_dist.expert_parallel import MoE, ExpertParallelMoE  # noqa: E402
-from mini_dist.measure import PeakSaved, side_by_side  # noqa: E402
-from mini_dist.mesh import Mesh, grid_for  # noqa: E402
-from mini_dist.parallel_transformer import ParallelAttention, ParallelTransformerBlock, TransformerBlock  # noqa: E402
-from mini_dist.sequence_layout import split_sequence  # noqa: E402
-from mini_dist.tensor_parallel import ColumnParallelLinear, check_input, column_parallel_linear  # noqa: E402
-from mini_dist.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy  # noqa: E402
+from mini_dist import cost_model, expert_parallel, tensor_parallel
+from mini_dist.kit import launch
+from mini_dist.activation_checkpoint import checkpoint_module
+from mini_dist.comm import COUNTER, all_reduce
+from mini_dist.context_parallel import ring_attention
+from mini_dist.expert_parallel import MoE, ExpertParallelMoE
+from mini_dist.kit.measure import PeakSaved, side_by_side
+from mini_dist.mesh import Mesh, grid_for
+from mini_dist.parallel_transformer import ParallelAttention, ParallelTransformerBlock, TransformerBlock
+from mini_dist.sequence_layout import split_sequence
+from mini_dist.tensor_parallel import ColumnParallelLinear, check_input, column_parallel_linear
+from mini_dist.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 CORPUS = (
     "a pipeline cuts the layers into stages and the batch into microbatches. tensor parallelism cuts every "

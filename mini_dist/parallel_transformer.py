@@ -40,10 +40,10 @@ import torch.nn.functional as F
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import launch  # noqa: E402
-from mini_dist.comm import COUNTER, SEQ, check_divisible  # noqa: E402
-from mini_dist.measure import SavedTensors  # noqa: E402
-from mini_dist.tensor_parallel import (Layout, ParallelMLP, RowParallelLinear,  # noqa: E402
+from mini_dist.kit import launch
+from mini_dist.comm import COUNTER, SEQ, check_divisible
+from mini_dist.kit.measure import SavedTensors
+from mini_dist.tensor_parallel import (Layout, ParallelMLP, RowParallelLinear,
                                        allreduce_sequence_parallel_grads, check_input, column_parallel_linear,
                                        gather_to_dense, parameter, shard_from_dense, tp_size)
 

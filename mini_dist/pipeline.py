@@ -40,8 +40,8 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import debug, launch  # noqa: E402
-from mini_dist.pipeline_schedules import (COMPUTE, FREES, SCHEDULES, Event, Schedule, pipeline_chunks,  # noqa: E402
+from mini_dist.kit import debug, launch
+from mini_dist.pipeline_schedules import (COMPUTE, FREES, SCHEDULES, Event, Schedule, pipeline_chunks,
                                           route, schedules_for, torch_step)
 
 # ----- agreeing before the first message -----

@@ -32,9 +32,9 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import launch  # noqa: E402
-from mini_dist.pipeline import against_one_process  # noqa: E402
-from mini_dist.pipeline_schedules import (COMPUTE, SCHEDULES, Event, Schedule, label, live_microbatches,  # noqa: E402
+from mini_dist.kit import launch
+from mini_dist.pipeline import against_one_process
+from mini_dist.pipeline_schedules import (COMPUTE, SCHEDULES, Event, Schedule, label, live_microbatches,
                                           pipeline_chunks, route, schedules_for)
 
 

@@ -30,7 +30,7 @@ from dataclasses import replace
 if not __package__:  # run as `python mini_dist/planner.py`: put the repo, not mini_dist/, on the path
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.cost_model import (GB, OPTIMIZERS, PRECISIONS, STAGES, Cluster, Estimate, Model, Plan,  # noqa: E402
+from mini_dist.cost_model import (GB, OPTIMIZERS, PRECISIONS, STAGES, Cluster, Estimate, Model, Plan,
                                   amdahl, bubble, bytes_per_param, collective_bytes, evaluate, gpt_params,
                                   model_state_bytes, need, shard, validate)
 

@@ -36,12 +36,13 @@ from torch import nn
 
 if not __package__:  # run as `python mini_dist/questions.py`: put the repo, not mini_dist/, on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import (activation_checkpoint, checkpoint, comm, compression, context_parallel, cost_model,  # noqa: E402
-                       ddp, debug, expert_parallel, fsdp, launch, mixed_precision, moe, parallel_transformer,
+from mini_dist import (activation_checkpoint, checkpoint, comm, compression, context_parallel, cost_model,
+                       ddp, expert_parallel, fsdp, mixed_precision, moe, parallel_transformer,
                        pipeline, pipeline_bubble, pipeline_schedules, planner, reshard, tensor_parallel, topology,
                        ulysses, zero)
-from mini_dist.loss_scaling import DynamicLossScaler  # noqa: E402
-from mini_dist.ring_allreduce import (LEDGER, naive_all_reduce, ring_all_gather, ring_all_reduce,  # noqa: E402
+from mini_dist.kit import debug, launch
+from mini_dist.loss_scaling import DynamicLossScaler
+from mini_dist.ring_allreduce import (LEDGER, naive_all_reduce, ring_all_gather, ring_all_reduce,
                                       ring_reduce_scatter)
 
 RANKS = 4                # the group every multi-rank question runs on
@@ -822,7 +823,7 @@ def five_axes():
 
 
 @question(28, "What fails in multi-node training, and how does a job notice a dead or disagreeing rank?",
-          "./run.sh demo debug 3", ranks=RANKS, answer="""
+          "./run.sh demo kit/debug 3", ranks=RANKS, answer="""
     A rank can die (a lost GPU, an out-of-memory, a preempted node), hang, or call a collective with other shapes
     than its peers. The last is the most dangerous: with the same number of elements the sum runs and mixes
     unrelated data, silently. Agreeing before communicating (TORCH_DISTRIBUTED_DEBUG=DETAIL; MINI_DIST_DEBUG=1

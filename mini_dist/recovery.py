@@ -32,11 +32,12 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/recovery.py`: Python put mini_dist/ on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import checkpoint, launch  # noqa: E402
-from mini_dist.checkpoint import Sharded  # noqa: E402
-from mini_dist.fsdp import FullyShardedDataParallel  # noqa: E402
-from mini_dist.reshard import fsdp_layout, load_module_state, load_zero_state, module_state, zero_state  # noqa: E402
-from mini_dist.zero import ZeroOptimizer  # noqa: E402
+from mini_dist import checkpoint
+from mini_dist.kit import launch
+from mini_dist.checkpoint import Sharded
+from mini_dist.fsdp import FullyShardedDataParallel
+from mini_dist.reshard import fsdp_layout, load_module_state, load_zero_state, module_state, zero_state
+from mini_dist.zero import ZeroOptimizer
 
 
 class ResumableSampler:

@@ -30,8 +30,8 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/reducer.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import launch  # noqa: E402
-from mini_dist.ring_allreduce import ring_all_reduce  # noqa: E402
+from mini_dist.kit import launch
+from mini_dist.ring_allreduce import ring_all_reduce
 
 
 @dataclass(eq=False)

@@ -41,10 +41,11 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/reshard.py`: Python put mini_dist/ on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import checkpoint, launch  # noqa: E402
-from mini_dist.checkpoint import Sharded  # noqa: E402
-from mini_dist.sharded_state import copy_settings, per_element, settings  # noqa: E402
-from mini_dist.tensor_parallel import Layout, layouts  # noqa: E402
+from mini_dist import checkpoint
+from mini_dist.kit import launch
+from mini_dist.checkpoint import Sharded
+from mini_dist.sharded_state import copy_settings, per_element, settings
+from mini_dist.tensor_parallel import Layout, layouts
 
 
 def flat_boxes(shape, a: int, b: int) -> list:

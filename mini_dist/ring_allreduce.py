@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import debug, launch  # noqa: E402
+from mini_dist.kit import debug, launch
 
 SUM, AVG, MAX, MIN, PRODUCT = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX,
                                dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import comm, launch  # noqa: E402
+from mini_dist import comm
+from mini_dist.kit import launch
 
 SEQ_DIM = 2  # [batch, heads, seq, head_dim], the layout of F.scaled_dot_product_attention
 ZIGZAG, CONTIGUOUS = "zigzag", "contiguous"

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/sharded_state.py`: Python put mini_dist/ on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import launch  # noqa: E402
+from mini_dist.kit import launch
 
 
 def settings(group: dict) -> dict:

@@ -47,8 +47,8 @@ import torch.nn.functional as F
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import launch  # noqa: E402
-from mini_dist.comm import (COUNTER, SEQ, agree, all_gather, all_reduce, check_divisible, f, g,  # noqa: E402
+from mini_dist.kit import launch
+from mini_dist.comm import (COUNTER, SEQ, agree, all_gather, all_reduce, check_divisible, f, g,
                             gather_from_tp, reduce_scatter, reduce_scatter_to_sp, split, split_to_tp)
 
 

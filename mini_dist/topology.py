@@ -40,9 +40,10 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/topology.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import comm, launch  # noqa: E402
-from mini_dist.bench import median, timed  # noqa: E402
-from mini_dist.ring_allreduce import reduce_into, ring_all_gather, ring_all_reduce, ring_reduce_scatter  # noqa: E402
+from mini_dist import comm
+from mini_dist.kit import launch
+from mini_dist.kit.timing import median, timed
+from mini_dist.ring_allreduce import reduce_into, ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
 SUM, AVG, MAX, MIN, PRODUCT = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX,
                                dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)

@@ -48,20 +48,21 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import cost_model, debug, launch  # noqa: E402
-from mini_dist.comm import COUNTER  # noqa: E402
-from mini_dist.ddp import DistributedDataParallel  # noqa: E402
-from mini_dist.expert_parallel import ExpertParallelMoE  # noqa: E402
-from mini_dist.fsdp import FullyShardedDataParallel  # noqa: E402
-from mini_dist.measure import PeakSaved, side_by_side  # noqa: E402
-from mini_dist.mesh import Mesh, grid_for  # noqa: E402
-from mini_dist.parallel_gpt import (Config, dense_model, is_expert, kind, local_batch, loss_fn,  # noqa: E402
+from mini_dist import cost_model
+from mini_dist.kit import debug, launch
+from mini_dist.comm import COUNTER
+from mini_dist.ddp import DistributedDataParallel
+from mini_dist.expert_parallel import ExpertParallelMoE
+from mini_dist.fsdp import FullyShardedDataParallel
+from mini_dist.kit.measure import PeakSaved, side_by_side
+from mini_dist.mesh import Mesh, grid_for
+from mini_dist.parallel_gpt import (Config, dense_model, is_expert, kind, local_batch, loss_fn,
                                     padded_vocab, parallel_model, routed_rows, train_dense)
-from mini_dist.parallel_gpt import configuration_error as model_error  # noqa: E402
-from mini_dist.pipeline import HEADER_LEN, pipeline_step  # noqa: E402
-from mini_dist.pipeline_schedules import SCHEDULES, balanced_split, pipeline_chunks  # noqa: E402
-from mini_dist.ring_allreduce import LEDGER, ring_all_reduce  # noqa: E402
-from mini_dist.zero import ZeroOptimizer, memory_ledger  # noqa: E402
+from mini_dist.parallel_gpt import configuration_error as model_error
+from mini_dist.pipeline import HEADER_LEN, pipeline_step
+from mini_dist.pipeline_schedules import SCHEDULES, balanced_split, pipeline_chunks
+from mini_dist.ring_allreduce import LEDGER, ring_all_reduce
+from mini_dist.zero import ZeroOptimizer, memory_ledger
 
 DP_BUCKET_MB = 1 / 32  # 32 KiB: a few buckets per stage of the tiny GPT
 AXES = ("dp", "pp", "cp", "tp", "ep")

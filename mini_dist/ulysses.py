@@ -32,9 +32,10 @@ import torch.nn.functional as F
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import comm, launch  # noqa: E402
-from mini_dist.context_parallel import SCORES, against_sdpa, check_inputs, ring_attention  # noqa: E402
-from mini_dist.sequence_layout import (CONTIGUOUS, SEQ_DIM, ZIGZAG, rank_order, reorder_chunks,  # noqa: E402
+from mini_dist import comm
+from mini_dist.kit import launch
+from mini_dist.context_parallel import SCORES, against_sdpa, check_inputs, ring_attention
+from mini_dist.sequence_layout import (CONTIGUOUS, SEQ_DIM, ZIGZAG, rank_order, reorder_chunks,
                                        to_position_order)
 
 HEAD_DIM = 1  # [batch, heads, seq, head_dim]

@@ -34,10 +34,10 @@ import torch.nn.functional as F
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import launch  # noqa: E402
-from mini_dist.comm import (COUNTER, agree, all_reduce, check_divisible, g, gather_from_tp,  # noqa: E402
+from mini_dist.kit import launch
+from mini_dist.comm import (COUNTER, agree, all_reduce, check_divisible, g, gather_from_tp,
                             reduce_scatter_to_sp)
-from mini_dist.tensor_parallel import (ColumnParallelLinear, Layout, gather_to_dense, parameter,  # noqa: E402
+from mini_dist.tensor_parallel import (ColumnParallelLinear, Layout, gather_to_dense, parameter,
                                        shard_from_dense, tp_size)
 
 

@@ -34,9 +34,10 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/zero.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import launch, sharded_state  # noqa: E402
-from mini_dist.ring_allreduce import LEDGER, ring_all_gather, ring_reduce_scatter  # noqa: E402
-from mini_dist.sharded_state import copy_settings, settings  # noqa: E402
+from mini_dist import sharded_state
+from mini_dist.kit import launch
+from mini_dist.ring_allreduce import LEDGER, ring_all_gather, ring_reduce_scatter
+from mini_dist.sharded_state import copy_settings, settings
 
 HALF = (torch.float16, torch.bfloat16)
 PASSES = {0: 2, 1: 3, 2: 2}  # ring passes of (K-1)*S*b bytes per step: reduce-scatter, all-gathers

@@ -41,6 +41,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     config.addinivalue_line("markers", "single_process: a property that starts no ranks (harness.run refuses it), "
                                        "cheap enough for CI to run it under the thorough profile too")
+    config.addinivalue_line("markers", "exercise: a property that grades a learner's exercise (./run.sh check MODULE "
+                                       "runs these against the learner's copy of the module)")
     # torch's own imports (torch.distributed.pipelining, fsdp) call torch.jit.script, deprecated since 2.9;
     # that warning is about torch, not about mini_dist, and would bury the summary under 60 repeats
     config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script` is deprecated:DeprecationWarning")

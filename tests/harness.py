@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from mini_dist import launch  # noqa: E402
+from mini_dist.kit import launch
 
 BACKEND = os.environ.get("MINI_DIST_BACKEND", "gloo")
 GRACE_S = 3.0          # how long the other ranks may take to answer once one rank has failed
@@ -78,7 +78,7 @@ class Pool:
         # spawn would import torch again for each rank; a plain fork would copy pytest's threads)
         ctx = get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp",
-                                    "torch.distributed.optim", "torch._dynamo", "mini_dist.launch", "harness"])
+                                    "torch.distributed.optim", "torch._dynamo", "mini_dist.kit.launch", "harness"])
         port = launch.free_port()
         for rank in range(self.world):
             parent, child = ctx.Pipe()

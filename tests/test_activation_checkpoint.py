@@ -31,7 +31,7 @@ from torch.utils import checkpoint as tc
 from harness import ROOT, device, rank_generator, run, subgroup
 from mini_dist.activation_checkpoint import (MATMULS, ReentrantCheckpoint, TransformerLayer, checkpoint,
                                              checkpoint_module, checkpoint_sequential, keep_matmuls)
-from mini_dist.measure import SavedTensors, profile_step
+from mini_dist.kit.measure import SavedTensors, profile_step
 
 
 class MLPLayer(nn.Module):

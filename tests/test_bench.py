@@ -5,6 +5,7 @@ import pytest
 from hypothesis import example, given, strategies as st
 
 from mini_dist import bench
+from mini_dist.kit import timing
 from mini_dist.bench import collectives
 
 times = st.floats(1e-5, 1.0)
@@ -12,12 +13,12 @@ times = st.floats(1e-5, 1.0)
 
 @contextlib.contextmanager
 def clock_free():
-    """bench.timed returns what the timed function returns: the test decides every 'measured' time."""
-    saved, bench.timed = bench.timed, lambda fn, group=None: fn()
+    """timing.timed returns what the timed function returns: the test decides every 'measured' time."""
+    saved, timing.timed = timing.timed, lambda fn, group=None: fn()
     try:
         yield
     finally:
-        bench.timed = saved
+        timing.timed = saved
 
 
 @pytest.mark.single_process

@@ -14,8 +14,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEMOS = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "mini_dist"))
-               if f.endswith(".py") and not f.startswith("_") and f != "planner.py")
+KIT_DEMOS = ["kit.debug", "kit.launch", "kit.measure"]  # the kit's modules that teach something of their own
+DEMOS = sorted([f[:-3] for f in os.listdir(os.path.join(ROOT, "mini_dist"))
+                if f.endswith(".py") and not f.startswith("_") and f != "planner.py"] + KIT_DEMOS)
 
 # A configuration each demo cannot run, as (world size, arguments) and a word the one-line error must contain.
 BAD = {
@@ -25,13 +26,11 @@ BAD = {
     "compression": (2, ["--ranks", "1000"], "--ranks"),
     "context_parallel": (5, [], "--seq"),
     "cost_model": (1, ["--ranks", "0"], "--ranks"),
-    "debug": (1, [], "2 or more ranks"),
     "ddp": (2, ["--steps", "0"], "--steps"),
     "expert_parallel": (3, [], "experts"),
     "flat_param": (2, ["--sizes", "4"], "--sizes"),
     "fsdp": (2, ["--depth", "1"], "depth"),
     "loss_scaling": (2, ["--steps", "0"], "steps"),
-    "measure": (1, ["--width", "0"], "--width"),
     "mesh": (4, ["--pp", "3"], "pp"),
     "mixed_precision": (1, ["--lr", "0"], "--lr"),
     "moe": (1, ["--k", "9"], "--k"),
@@ -53,16 +52,18 @@ BAD = {
     "ulysses": (3, ["--heads", "8"], "heads"),
     "vocab_parallel": (7, [], "vocab"),
     "zero": (2, ["--steps", "0"], "steps"),
+    "kit.debug": (1, [], "2 or more ranks"),
+    "kit.measure": (1, ["--width", "0"], "--width"),
 }
-WITHOUT_BAD_CONFIGURATION = {"launch"}  # it runs on any world size and has no flags to get wrong
+WITHOUT_BAD_CONFIGURATION = {"kit.launch"}  # it runs on any world size and has no flags to get wrong
 
 
 def command_line(module, argv, world=1, monkeypatch=None):
-    from mini_dist import launch
+    from mini_dist.kit import launch
     m = importlib.import_module(f"mini_dist.{module}")
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(sys, "argv", [f"mini_dist/{module}.py", *argv])  # argparse names the program from it
+    monkeypatch.setattr(sys, "argv", [f"mini_dist/{module.replace('.', '/')}.py", *argv])  # argparse names the program from it
     return launch.main(m.parser(), m.demo, argv)
 
 
@@ -92,7 +93,7 @@ def test_a_configuration_a_demo_cannot_run_is_one_line_and_exit_2(module, monkey
     world, argv, word = BAD[module]
     assert command_line(module, argv, world, monkeypatch) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"{module}.py: error: ") and word in err[0], err
+    assert len(err) == 1 and err[0].startswith(f"{module.split('.')[-1]}.py: error: ") and word in err[0], err
 
 
 def run_sh(*args, env=None):
@@ -118,17 +119,17 @@ def test_run_sh_usage_error_is_one_short_line_not_torchruns_report():
 
 
 def test_run_sh_unknown_flag_exits_2_and_unknown_module_names_the_modules():
-    flag = run_sh("demo", "launch", "2", "--frobnicate")
+    flag = run_sh("demo", "kit/launch", "2", "--frobnicate")
     assert flag.returncode == 2 and "unrecognized arguments: --frobnicate" in flag.stderr
     assert len(flag.stderr.strip().splitlines()) <= 2
-    zero = run_sh("demo", "launch", "0")
+    zero = run_sh("demo", "kit/launch", "0")
     assert zero.returncode == 2 and zero.stderr.strip() == "./run.sh: the rank count must be at least 1, got 0"
     missing = run_sh("demo", "nosuch")
     assert missing.returncode == 2 and "ring_allreduce" in missing.stderr
 
 
 def test_run_sh_demo_runs_without_torchruns_thread_warning():
-    result = run_sh("demo", "launch", "2")
+    result = run_sh("demo", "kit/launch", "2")
     assert result.returncode == 0 and "SUMMARY|launch|PASS" in result.stdout
     assert "OMP_NUM_THREADS" not in result.stdout + result.stderr
 
@@ -139,7 +140,7 @@ def test_nccl_without_gpus_is_one_line_saying_use_gloo():
     import torch
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: NCCL can run")
-    result = run_sh("demo", "launch", "2", env={"MINI_DIST_BACKEND": "nccl"})
+    result = run_sh("demo", "kit/launch", "2", env={"MINI_DIST_BACKEND": "nccl"})
     assert result.returncode == 2 and "gloo" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
@@ -160,7 +161,7 @@ def test_every_questions_command_is_a_demo_its_parser_accepts_and_the_readme_ask
     readme = open(os.path.join(ROOT, "README.md")).read()
     for q in questions.QUESTIONS.values():
         words = shlex.split(q.command)
-        assert words[:2] == ["./run.sh", "demo"] and words[2] in DEMOS + ["planner"], q.command
+        assert words[:2] == ["./run.sh", "demo"] and words[2].replace("/", ".") in DEMOS + ["planner"], q.command
         args = words[4:] if len(words) > 3 and words[3].isdigit() else words[3:]
-        importlib.import_module(f"mini_dist.{words[2]}").parser().parse_args(args)  # SystemExit if not
+        importlib.import_module(f"mini_dist.{words[2].replace('/', '.')}").parser().parse_args(args)  # SystemExit if not
         assert f"### {q.number}. {q.question}" in readme, f"README does not ask question {q.number}"

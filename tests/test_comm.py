@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import RankFailure, device, run, subgroup
-from mini_dist import comm, debug
+from mini_dist import comm
+from mini_dist.kit import debug
 
 
 def check_all(shape_per_rank, seed, group_size):

@@ -10,7 +10,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as NativeDDP
 
 from harness import device, rank_generator, run
-from mini_dist import comm, compression, ddp, launch
+from mini_dist import comm, compression, ddp
+from mini_dist.kit import launch
 
 F64 = torch.float64
 

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from harness import RankFailure, device, run
-from mini_dist import comm, debug
+from mini_dist import comm
+from mini_dist.kit import debug
 
 
 def tokens(shape):

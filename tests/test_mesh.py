@@ -10,7 +10,7 @@ import torch.distributed as dist
 from hypothesis import given, strategies as st
 
 from harness import RankFailure, device, run
-from mini_dist.launch import UsageError
+from mini_dist.kit.launch import UsageError
 from mini_dist.mesh import AXES, GROUPS, Mesh, RankGrid, grid_for
 
 

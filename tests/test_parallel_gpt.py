@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import run
-from mini_dist import launch, parallel_gpt
+from mini_dist import parallel_gpt
+from mini_dist.kit import launch
 from mini_dist.cost_model import Plan, gpt_step_traffic
 from mini_dist.mesh import Mesh, RankGrid
 from mini_dist.parallel_gpt import Config, configuration_error, padded_vocab, step_against_dense

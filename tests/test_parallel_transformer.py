@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from harness import device, run
 from mini_dist import parallel_transformer as pt
 from mini_dist import tensor_parallel as tp
-from mini_dist.measure import SavedTensors
+from mini_dist.kit.measure import SavedTensors
 from test_tensor_parallel import (DATA_COLLECTIVES, F64, TOL, assert_counted, assert_named_on_every_rank,
                                   assert_same_clear_errors, error_messages, forward_backward_counted, provoke,
                                   reassign_every_parameter, run_both, seed_group, seq_shard, tp_group,

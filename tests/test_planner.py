@@ -555,7 +555,7 @@ def kept_for_backward(layers, b, s, heads, head_dim, precision, seed):
     """L of activation_checkpoint's transformer layers (which save exactly Korthikanti's tensors), plain
     and each layer checkpointed: bytes kept after forward, and the peak alive during backward."""
     from mini_dist.activation_checkpoint import TransformerLayer, checkpoint, run_layers
-    from mini_dist.measure import profile_step
+    from mini_dist.kit.measure import profile_step
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     torch.manual_seed(seed)
     model = torch.nn.Sequential(*[TransformerLayer(heads * head_dim, heads, 0.1, dtype=dtype)

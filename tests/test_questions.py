@@ -13,7 +13,8 @@ import subprocess
 import pytest
 
 from harness import run
-from mini_dist import launch, questions
+from mini_dist import questions
+from mini_dist.kit import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

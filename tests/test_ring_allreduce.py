@@ -10,7 +10,8 @@ import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
 from harness import RankFailure, device, rank_generator, run, subgroup
-from mini_dist import debug, ring_allreduce as ra
+from mini_dist import ring_allreduce as ra
+from mini_dist.kit import debug
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.int32, torch.int64, torch.int8, torch.uint8]

@@ -24,7 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import device, run, subgroup
-from mini_dist import comm, debug
+from mini_dist import comm
+from mini_dist.kit import debug
 from mini_dist import tensor_parallel as tp
 
 F64 = torch.float64

@@ -9,7 +9,8 @@ import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
 from harness import RankFailure, device, rank_generator, run, subgroup
-from mini_dist import launch, topology as topo
+from mini_dist import topology as topo
+from mini_dist.kit import launch
 
 OPS = {"sum": topo.SUM, "avg": topo.AVG, "max": topo.MAX, "min": topo.MIN, "product": topo.PRODUCT}
 FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]

@@ -20,7 +20,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from harness import RankFailure, run
-from mini_dist import launch, train_5d
+from mini_dist import train_5d
+from mini_dist.kit import launch
 from mini_dist.mesh import Mesh, RankGrid
 from mini_dist.parallel_gpt import Config, padded_vocab, train_dense
 from mini_dist.pipeline import HEADER_LEN

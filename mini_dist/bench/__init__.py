@@ -14,13 +14,12 @@ Each file of this package registers its benchmarks in BENCHES = {name: function(
 The runner prints one table, each ratio beside its target, and exits non-zero when a ratio misses its
 target in this run (a benchmark, not a unit test: the test suite stays free of timing).
 """
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from mini_dist.launch import device
+from mini_dist.kit.timing import median, paired, quantile, timed  # noqa: F401  (the runner's)
 
 
 @dataclass
@@ -39,34 +38,6 @@ class Result:
         return self.target is None or self.ratio <= self.target
 
 
-def median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
-
-def timed(fn, group=None) -> float:
-    """Seconds fn() takes on the slowest rank of the group, after a barrier, device work included."""
-    dist.barrier(group=group)
-    start = time.perf_counter()
-    fn()
-    if device().type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device())
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-    return elapsed.item()
-
-
-def paired(sides: dict, repeats: int, warmup: int = 1, group=None) -> dict[str, list[float]]:
-    """{name: fn} -> {name: seconds per repeat}: the sides take turns, in an order that alternates."""
-    names, times = list(sides), {name: [] for name in sides}
-    for i in range(warmup + repeats):
-        for name in (names if i % 2 == 0 else names[::-1]):
-            t = timed(sides[name], group)
-            if i >= warmup:
-                times[name].append(t)
-    return times
-
-
 def compare(name: str, ours, native, repeats: int, target: float | None, warmup: int = 1, note: str = "",
             group=None) -> Result:
     """Time ours() against native() in turns: a Result with both medians and the median paired ratio."""
@@ -75,16 +46,9 @@ def compare(name: str, ours, native, repeats: int, target: float | None, warmup:
     return Result(name, median(t["ours"]), median(t["native"]), ratio, target, note, t)
 
 
-def quantile(xs: list[float], q: float) -> float:
-    """The q-quantile of xs (nearest rank): quantile(xs, 0.1) is the time a call takes when nothing else
-    on the machine got in its way; the median adds the usual interference."""
-    xs = sorted(xs)
-    return xs[round(q * (len(xs) - 1))]
-
-
 def with_debug(fn, on: bool):
     """fn with mini_dist's debug checks (MINI_DIST_DEBUG) switched on or off for the call: their price."""
-    from mini_dist import debug
+    from mini_dist.kit import debug
 
     def call():
         saved, debug.DEBUG = debug.DEBUG, on

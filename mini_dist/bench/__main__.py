@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `python mini_dist/bench`
-from mini_dist import bench, launch  # noqa: E402
+from mini_dist import bench
+from mini_dist.kit import launch
 
 
 def registry() -> dict:

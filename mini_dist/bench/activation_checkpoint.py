@@ -20,7 +20,7 @@ from torch.utils import checkpoint as tc
 from mini_dist import bench
 from mini_dist.activation_checkpoint import (MATMULS, TransformerLayer, checkpoint, checkpoint_sequential,
                                              keep_matmuls, run_layers)
-from mini_dist.launch import device
+from mini_dist.kit.launch import device
 
 
 def stack(args, layers=8, b=2, s=64, h=128, heads=4, repeats=15) -> list[bench.Result]:

@@ -26,7 +26,8 @@ from itertools import count
 import torch
 import torch.distributed as dist
 
-from mini_dist import bench, checkpoint, launch
+from mini_dist import bench, checkpoint
+from mini_dist.kit import launch
 
 SHAPES, REPEATS = [(1024, 1024), (2048, 1024), (4096, 1024), (1024, 1024)], 5
 

@@ -41,7 +41,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from mini_dist import bench, debug, launch
+from mini_dist import bench
+from mini_dist.kit import debug, launch
 from mini_dist import ring_allreduce as ra
 
 SIZES_KIB = [4, 64, 256, 1024, 4096, 16384]

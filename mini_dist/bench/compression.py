@@ -16,7 +16,7 @@ from torch import nn
 from mini_dist import bench
 from mini_dist.compression import PowerSGDState, powerSGD_hook
 from mini_dist.ddp import DistributedDataParallel
-from mini_dist.launch import device
+from mini_dist.kit.launch import device
 
 
 # torch's powerSGD_hook issues the all-reduces of P and Q from callbacks on gloo's thread while the next

@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mini_dist import bench, measure
+from mini_dist import bench
+from mini_dist.kit import measure
 from mini_dist.context_parallel import ring_attention
 from mini_dist.sequence_layout import CONTIGUOUS, ZIGZAG, split_sequence
 from mini_dist.ulysses import ulysses_attention
-from mini_dist.launch import device
+from mini_dist.kit.launch import device
 
 
 def _step(attention, full, causal=True, layout=ZIGZAG):

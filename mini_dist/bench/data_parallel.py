@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as NativeDDP
 
-from mini_dist import bench, launch
+from mini_dist import bench
+from mini_dist.kit import launch
 from mini_dist.ddp import DistributedDataParallel, NaiveDataParallel, mlp
 from mini_dist.ddp import train_step as ddp_step
 from mini_dist.zero import ZeroOptimizer

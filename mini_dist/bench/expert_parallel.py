@@ -6,7 +6,8 @@ transport=comm.all_to_all_single: the difference is the transport only. Rows are
 import torch
 import torch.distributed as dist
 
-from mini_dist import bench, comm, launch
+from mini_dist import bench, comm
+from mini_dist.kit import launch
 from mini_dist import expert_parallel as ep
 from mini_dist.moe import MoE
 

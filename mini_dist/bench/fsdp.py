@@ -8,7 +8,8 @@ from functools import partial
 
 import torch
 
-from mini_dist import bench, launch, measure
+from mini_dist import bench
+from mini_dist.kit import launch, measure
 from mini_dist.fsdp import make_model, train_step
 
 WIDTH, DEPTH, BATCH, REPEATS = 512, 8, 16, 7

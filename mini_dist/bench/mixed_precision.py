@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from mini_dist import bench, launch
+from mini_dist import bench
+from mini_dist.kit import launch
 from mini_dist.loss_scaling import DynamicLossScaler
 
 TENSORS, NUMEL, REPEATS, PER_SAMPLE = 100, 10_000, 101, 10

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mini_dist import bench
-from mini_dist.launch import device
+from mini_dist.kit.launch import device
 from mini_dist.pipeline import pipeline_step
 from mini_dist.pipeline_schedules import SCHEDULES, pipeline_chunks, torch_step
 

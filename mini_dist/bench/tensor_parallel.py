@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from mini_dist import bench, comm
-from mini_dist.launch import device
+from mini_dist.kit.launch import device
 from mini_dist.tensor_parallel import ParallelMLP, shard_from_dense
 
 

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/debug.py`: Python put mini_dist/ on the path, not the repo
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mini_dist import launch  # noqa: E402
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from mini_dist.kit import launch
 
 DEBUG = os.environ.get("MINI_DIST_DEBUG") == "1"
 
@@ -48,7 +48,7 @@ class PeerLost(RuntimeError):
 def call_site() -> str:
     """Where the collective was asked for: the mini_dist layer or function that asked (the first frame
     outside comm.py, this check and torch), and the user's line that called it (the first outside mini_dist)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mini_dist/, the kit included
     comm_py, ours = os.path.join(here, "comm.py"), (call_site.__code__, agree.__code__)
     frame, sites = sys._getframe(1), []
     while frame and len(sites) < 2:
@@ -98,7 +98,8 @@ def parser():
 
 
 def demo(args) -> int:
-    from mini_dist import comm, debug  # this module as the library sees it (run as a script, it is __main__)
+    from mini_dist import comm  # this module as the library sees it (run as a script, it is __main__)
+    from mini_dist.kit import debug
     world = launch.env_world_size()
     launch.require(world >= 2 and 0 <= args.bad_rank < world,
                    f"--bad-rank {args.bad_rank} on {world} ranks: run on 2 or more ranks, with 0 <= --bad-rank < {world}")

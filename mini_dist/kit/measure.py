@@ -199,7 +199,7 @@ def peak_bytes(step, device) -> int:
 # ----- demo: what an MLP keeps for backward, measured, beside what it should keep -----
 
 def parser():
-    from mini_dist import launch
+    from mini_dist.kit import launch
     p = launch.demo_parser(__doc__)
     p.add_argument("--layers", type=int, default=8, help="Linear + Tanh layers (L)")
     p.add_argument("--width", type=int, default=256, help="features per layer (w)")
@@ -208,7 +208,7 @@ def parser():
 
 
 def demo(args) -> int:
-    from mini_dist import launch
+    from mini_dist.kit import launch
     L, w, b = args.layers, args.width, args.batch
     launch.require(min(L, w, b) >= 1, "--layers, --width and --batch must be at least 1")
     env = launch.setup()
@@ -231,6 +231,6 @@ def demo(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from mini_dist import launch as _launch
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from mini_dist.kit import launch as _launch
     raise SystemExit(_launch.main(parser(), demo))
