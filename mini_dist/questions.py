@@ -40,7 +40,7 @@ from mini_dist import (activation_checkpoint, checkpoint, comm, compression, con
                        ddp, expert_parallel, fsdp, mixed_precision, moe, parallel_transformer,
                        pipeline, pipeline_bubble, pipeline_schedules, planner, reshard, tensor_parallel, topology,
                        ulysses, zero)
-from mini_dist.kit import debug, launch
+from mini_dist.kit import debug, launch, models
 from mini_dist.loss_scaling import DynamicLossScaler
 from mini_dist.ring_allreduce import (LEDGER, naive_all_reduce, ring_all_gather, ring_all_reduce,
                                       ring_reduce_scatter)
@@ -109,7 +109,7 @@ def _grads(model) -> list:
 def gradients_not_parameters():
     n, r = dist.get_world_size(), dist.get_rank()
     x, y, mine = _data(4 * n, 8), _data(4 * n, 4, 1), slice(4 * r, 4 * r + 4)  # one global batch, 4 rows each
-    module = ddp.mlp([8, 16, 4]).to(launch.device())
+    module = models.mlp([8, 16, 4]).to(launch.device())
     alone, local = copy.deepcopy(module), copy.deepcopy(module)  # one process on the whole batch; a lone replica
     model = ddp.DistributedDataParallel(module, bucket_cap_mb=0)
     for m, rows in ((model, mine), (alone, slice(None)), (local, mine)):
@@ -136,8 +136,8 @@ def gradients_not_parameters():
     depends on how long backward computes per byte; the naive sync after backward hides nothing.""")
 def buckets():
     widths, x = [64, 256, 256, 256, 16], _data(256, 64, 100 + dist.get_rank())
-    bucketed = ddp.DistributedDataParallel(ddp.mlp(widths).to(launch.device()), bucket_cap_mb=0.25)
-    naive = ddp.NaiveDataParallel(ddp.mlp(widths).to(launch.device()))
+    bucketed = ddp.DistributedDataParallel(models.mlp(widths).to(launch.device()), bucket_cap_mb=0.25)
+    naive = ddp.NaiveDataParallel(models.mlp(widths).to(launch.device()))
     for _ in range(2):  # the first backward warms up, the second is measured
         bucketed.zero_grad()
         bucketed(x).square().mean().backward()
@@ -161,7 +161,7 @@ def buckets():
 def accumulation():
     n, r, K, b = dist.get_world_size(), dist.get_rank(), 4, 2
     x, y = _data(K * n * b, 8), _data(K * n * b, 4, 1)
-    module = ddp.mlp([8, 16, 4]).to(launch.device())
+    module = models.mlp([8, 16, 4]).to(launch.device())
     alone, undivided = copy.deepcopy(module), copy.deepcopy(module)
     model = ddp.DistributedDataParallel(module, all_reduce=ring_all_reduce)
     LEDGER.reset()
@@ -254,7 +254,8 @@ def all_reduce_is_two_halves():
 def _fsdp_model(**options):
     """fsdp.py's model (Linear, 3 Blocks, Linear; each Block a unit), fp32, sized to need no padding on 4 ranks,
     after two Adam steps: its ledger holds the second one, and its gradients are still there."""
-    model = fsdp.make_model(8, 32, 3, torch.float32, launch.device(), **options)
+    model = fsdp.FullyShardedDataParallel(models.block_stack(8, 32, 3, torch.float32, launch.device()),
+                                        wrap=models.Block, **options)
     adam, g = torch.optim.Adam(model.parameters(), lr=1e-3), torch.Generator().manual_seed(dist.get_rank())
     x, y = (torch.randn(4, 8, generator=g).to(launch.device()) for _ in "xy")
     for _ in range(2):
@@ -277,10 +278,11 @@ def _fsdp_model(**options):
 def zero_stages():
     K, per_n, sent, exact = dist.get_world_size(), {}, {}, True
     for stage in (0, 1, 2):
-        model, forward, opt = zero.build("mini zero", [19, 60, 60], torch.float32, stage)  # N = 4,860
-        zero.train(model, forward, opt, 1)  # Adam's state exists from the first step on
+        model = models.mlp([19, 60, 60], torch.float32).to(launch.device())  # N = 4,860
+        opt = zero.ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage, collectives="ring", lr=1e-2)
+        models.random_batch_steps(model, model, opt, 1)  # Adam's state exists from the first step on
         LEDGER.reset()
-        zero.train(model, forward, opt, 1)
+        models.random_batch_steps(model, model, opt, 1)
         want, got = zero.memory_formula(stage, opt.partition, 4, 8), zero.memory_ledger(model.parameters(), opt)
         exact &= [got[c] for c in want] == list(want.values()) and \
             LEDGER.sent == zero.bytes_sent_formula(stage, opt.partition, 4)
@@ -331,8 +333,8 @@ def fsdp_gathers_twice():
 def fsdp_traffic():
     K = dist.get_world_size()
     sharded, kept = _fsdp_model()[0], _fsdp_model(reshard_after_forward=False)[0]
-    torch.manual_seed(0)  # fsdp.make_model's model, bare, under DDP
-    plain = nn.Sequential(nn.Linear(8, 8), *[fsdp.Block(8, 32) for _ in range(3)], nn.Linear(8, 8))
+    torch.manual_seed(0)  # fsdp's model, bare, under DDP
+    plain = nn.Sequential(nn.Linear(8, 8), *[models.Block(8, 32) for _ in range(3)], nn.Linear(8, 8))
     replica = ddp.DistributedDataParallel(plain.to(launch.device()), all_reduce=ring_all_reduce)
     LEDGER.reset()
     replica(torch.randn(4, 8, device=launch.device())).square().mean().backward()
@@ -707,7 +709,7 @@ def sharded_checkpoint():
         model = nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 8)).double()
         return model, zero.ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage, group, lr=0.01)
     model, opt = zero_adam(0, 1)
-    zero.train(model, model, opt, 2)
+    models.random_batch_steps(model, model, opt, 2)
     where = [tempfile.mkdtemp(prefix="mini_dist_questions_") if r == 0 else None]
     dist.broadcast_object_list(where)
     path, half = os.path.join(where[0], "step_2"), launch.new_group(range(K // 2))
@@ -761,7 +763,7 @@ def global_batch():
     for n in (1, 2, RANKS):
         group = launch.new_group(range(n))
         if r < n:
-            model = ddp.DistributedDataParallel(ddp.mlp([8, 16, 4]).to(launch.device()), group=group)
+            model = ddp.DistributedDataParallel(models.mlp([8, 16, 4]).to(launch.device()), group=group)
             rows = slice(r * B // n, (r + 1) * B // n)
             F.mse_loss(model(x[rows]), y[rows]).backward()
             grads[n] = _grads(model)

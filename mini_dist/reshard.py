@@ -213,9 +213,10 @@ def demo(args) -> int:
                    f"--steps must be >= 1 and --width a multiple of the {K} ranks (tensor parallelism cuts it)")
     from torch import nn
 
-    from mini_dist.fsdp import make_model, train_step
+    from mini_dist.fsdp import FullyShardedDataParallel
+    from mini_dist.kit.models import Block, block_stack, random_batch_steps, regression_step
     from mini_dist.tensor_parallel import ParallelMLP
-    from mini_dist.zero import ZeroOptimizer, train
+    from mini_dist.zero import ZeroOptimizer
     env, w = launch.setup(), args.width
     x = [torch.randn(4, w, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in (env.rank, 0)]
 
@@ -225,16 +226,16 @@ def demo(args) -> int:
         z = ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage=1 if first else 2, group=group, lr=0.01)
         return (lambda: zero_state(z), lambda path: load_zero_state(path, z, group),
                 lambda: [*model.parameters(), *(t for s in z.optimizer.state.values() for t in s.values())],
-                lambda: train(model, model, z, args.steps))
+                lambda: random_batch_steps(model, model, z, args.steps))
 
     def plain(model, layout, group, x):  # data parallel: x differs across ranks; tensor parallel: the same
         adam = torch.optim.Adam(model.parameters(), lr=0.01)
         return (lambda: module_state(layout(), adam), lambda path: load_module_state(path, layout(), adam, group),
                 lambda: [*model.parameters(), *(t for s in adam.state.values() for t in s.values())],
-                lambda: [train_step(model, adam, x, x) for _ in range(args.steps)])
+                lambda: [regression_step(model, adam, x, x) for _ in range(args.steps)])
 
     def fsdp(group, first):
-        model = make_model(w, 3 * w, 2, torch.float64, env.device, group=group)
+        model = FullyShardedDataParallel(block_stack(w, 3 * w, 2, torch.float64, env.device), Block, group)
         return plain(model, lambda: fsdp_layout(model), group, x[0])
 
     def tp(group, first):  # T = K ranks first, then one dense process with the same parameter names
