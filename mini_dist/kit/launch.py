@@ -156,6 +156,14 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+PRETEND_NCCL = False  # mini_dist.nccl_order sets it while it records a run on gloo: take NCCL's paths
+
+
+def nccl(group=None) -> bool:
+    """Whether point-to-point patterns on this group must obey NCCL's in-order rule (see nccl_order.py)."""
+    return PRETEND_NCCL or dist.get_backend(group) == dist.Backend.NCCL
+
+
 def new_group(ranks) -> dist.ProcessGroup:
     """A subgroup with the same timeout as the world (every rank of the world must call this)."""
     return dist.new_group(sorted(ranks), timeout=timeout())
