@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # mini_dist's one entry point. On a fresh machine it creates .venv and installs requirements.txt
-# (again only when that file changes), then:
+# (again only when that file changes); with MINI_DIST_PYTHON=python3 it uses that interpreter and the torch
+# it already has instead (a GPU node's own torch, no registry needed). Then:
 #   ./run.sh                            the tour: every demo under torchrun, then a summary table
 #   ./run.sh test [--gpu] [ARGS]        the pytest suite (--gpu: NCCL ranks, one GPU each; ARGS go to pytest)
 #   ./run.sh demo MODULE [NPROC] [ARGS] one demo on NPROC ranks (default 4; ARGS go to the demo, try --help)
 #   ./run.sh bench [NPROC] [NAMES]      benchmarks against PyTorch's own implementations (default: all)
 #   ./run.sh ask [N ...] [--markdown]   the questions learners ask, each answered by a figure measured now
+#   ./run.sh exercise MODULE [--force]  write exercises/MODULE.py: the concept with its textbook code blanked
+#   ./run.sh check MODULE               grade exercises/MODULE.py with the properties that prove mini_dist
+#   ./run.sh gpu                        the GPU check: the suite on NCCL, then every demo on 1 rank (one GPU)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -20,9 +24,11 @@ TOUR=(
   "reducer 2"
   "compression 4"
   "zero 4"
+  "zero_ledger 4"
   "sharded_state 4"
   "flat_param 4"
   "fsdp 4"
+  "fsdp_ledger 4"
   "checkpoint 4"
   "reshard 4"
   "recovery 4"
@@ -50,6 +56,14 @@ TOUR=(
 )
 
 setup() {
+  if [ -n "${MINI_DIST_PYTHON:-}" ]; then  # the active environment, as it is: nothing is installed
+    PY=$MINI_DIST_PYTHON
+    "$PY" -c 'import torch, numpy, pytest, hypothesis' 2>/dev/null || {
+      echo "./run.sh: MINI_DIST_PYTHON=$PY lacks torch, numpy, pytest or hypothesis: install them there," \
+           "or unset MINI_DIST_PYTHON to use .venv" >&2; exit 2; }
+    return
+  fi
+  PY=.venv/bin/python
   local python=${PYTHON:-python3}
   [ -x .venv/bin/python ] || "$python" -m venv .venv
   local want have
@@ -76,7 +90,7 @@ launch() {
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / ranks > 1 ? cores / ranks : 1 ))}
   err=$(mktemp)
   trap 'cat "$err" >&2; rm -f "$err"' INT TERM
-  .venv/bin/torchrun --standalone --nproc_per_node="$ranks" "$@" 2>"$err" || status=$?
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node="$ranks" "$@" 2>"$err" || status=$?
   trap - INT TERM
   # torchrun itself exits 1 whatever its ranks' codes were; its report names the first code seen
   if [ "$status" -ne 0 ] && grep -q 'exitcode *: 2 ' "$err" && grep -q '^[a-z_0-9.]*: error: ' "$err"; then
@@ -102,21 +116,22 @@ demo() {
   shift
   if [[ "${1:-}" =~ ^[0-9]+$ ]]; then nproc=$1; shift; fi  # a number is the rank count, anything else a flag
   if [ "$module" = planner ]; then
-    .venv/bin/python -m mini_dist.planner "$@"
+    "$PY" -m mini_dist.planner "$@"
   elif [[ " $* " =~ \ (-h|--help)\  ]]; then  # help needs no ranks
-    .venv/bin/python "mini_dist/$module.py" "$@"
+    "$PY" "mini_dist/$module.py" "$@"
   else
     launch "$nproc" "mini_dist/$module.py" "$@"
   fi
 }
 
 tour() {
-  local log status=0 failed=() entry
+  local log status=0 failed=() entry n=0
   log=$(mktemp)
   for entry in "${TOUR[@]}"; do
     set -- $entry
+    n=$((n + 1))
     [ -f "mini_dist/$1.py" ] || continue
-    echo; echo "=== $entry ==="
+    echo; echo "=== $n of ${#TOUR[@]}: $entry ==="
     if ! demo "$@" 2>&1 | tee -a "$log"; then failed+=("$1"); status=1; fi
   done
   echo; echo "=== summary ==="
@@ -129,20 +144,47 @@ tour() {
   return $status
 }
 
+# The GPU check, for one GPU: the suite on NCCL (tests that need more GPUs than there are skip, saying how
+# many), then every demo of the tour on one rank. NCCL refuses two ranks on one GPU, so world size 1 is all
+# one GPU can show; the ordering NCCL imposes on many GPUs is proven on the CPU (tests/test_nccl_order.py).
+gpu_check() {
+  local status=0 failed=() entry code
+  "$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print("GPU:", torch.cuda.get_device_name(0), "| torch", torch.__version__, "| NCCL", ".".join(map(str, torch.cuda.nccl.version())))' || return 2
+  MINI_DIST_BACKEND=nccl "$PY" -m pytest -q -p no:cacheprovider tests --deselect tests/test_cli.py \
+    --deselect tests/test_questions.py || status=1
+  for entry in "${TOUR[@]}"; do
+    set -- $entry
+    [ -f "mini_dist/$1.py" ] || continue
+    local module=$1; shift 2
+    [[ " $* " =~ \ --(ranks-per-node|dp|pp|cp|tp|ep)\  ]] && set --  # the grid flags need more ranks than 1
+    echo "=== $module on 1 rank, NCCL ==="
+    MINI_DIST_BACKEND=nccl demo "$module" 1 "$@" > >(tail -n 4) 2>&1 && code=0 || code=$?
+    case $code in
+      0) ;;
+      2) echo "(needs more ranks than one GPU gives: not a failure)" ;;
+      *) failed+=("$module"); status=1 ;;
+    esac
+  done
+  [ ${#failed[@]} -eq 0 ] || echo "demos that exited non-zero on the GPU: ${failed[*]}"
+  return $status
+}
+
 setup
 case "${1:-tour}" in
   tour) tour ;;
   test)
     shift
     if [ "${1:-}" = "--gpu" ]; then shift; export MINI_DIST_BACKEND=nccl; fi
-    .venv/bin/python -m pytest -q tests "$@" ;;
+    "$PY" -m pytest -q tests "$@" ;;
   demo) shift; demo "$@" ;;
   bench)
     shift
     nproc=4
     if [[ "${1:-}" =~ ^[0-9]+$ ]]; then nproc=$1; shift; fi
     launch "$nproc" -m mini_dist.bench "$@" ;;
-  ask) shift; .venv/bin/python -m mini_dist.questions "$@" ;;  # it starts its own ranks
-  -h|--help|help) sed -n '2,8p' "$0" ;;
-  *) echo "./run.sh: unknown command '$1'" >&2; sed -n '2,8p' "$0" >&2; exit 2 ;;
+  ask) shift; "$PY" -m mini_dist.questions "$@" ;;  # it starts its own ranks
+  gpu) gpu_check ;;
+  exercise|check) "$PY" -m mini_dist.kit.exercise "$@" ;;
+  -h|--help|help) sed -n '2,13p' "$0" ;;
+  *) echo "./run.sh: unknown command '$1'" >&2; sed -n '2,13p' "$0" >&2; exit 2 ;;
 esac

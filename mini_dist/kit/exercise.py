@@ -1,0 +1,157 @@
+"""Learn by writing it: a concept's textbook algorithm, blanked, graded by the properties that prove it.
+
+The reference source marks, once, each region a learner writes:
+
+        # exercise: the N-1 steps of the reduce-scatter: ...
+        ...the reference body...
+        # end exercise
+
+`write(module)` copies mini_dist/<module>.py into exercises/<module>.py (ignored by git) with each region
+replaced by `raise NotImplementedError("<what to write>")`: signatures, docstrings and shape comments stay.
+`check(module)` runs the concept's properties marked @pytest.mark.exercise against that copy (mini_dist's
+package path puts exercises/ first while MINI_DIST_EXERCISES is set, on every rank), on ranks as always,
+with short timeouts, and prints one line per property: passed, or failed with what the property means, the
+first line of what differed, and the smallest case hypothesis found. Then the demo, from the copy. The exit
+status is 0 only when every property passed.
+
+    ./run.sh exercise ring_allreduce [--force]     # write exercises/ring_allreduce.py
+    ./run.sh check ring_allreduce                   # grade it
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKSPACE = os.path.join(ROOT, "exercises")
+START, END = re.compile(r"^(\s*)# exercise: (.+)$"), re.compile(r"^\s*# end exercise\s*$")
+ORDER = ["ring_allreduce", "comm", "tensor_parallel", "ddp", "reducer", "zero", "fsdp", "loss_scaling",
+         "activation_checkpoint", "pipeline_schedules", "context_parallel", "expert_parallel", "moe"]
+
+
+def regions(source: str) -> list[tuple[int, int, str, str]]:
+    """(first line, last line, indentation, what to write) of every marked region, 0-based, inclusive."""
+    found, open_at = [], None
+    for i, line in enumerate(source.splitlines()):
+        if (m := START.match(line)) and open_at is None:
+            open_at = (i, m.group(1), m.group(2).strip())
+        elif END.match(line) and open_at is not None:
+            found.append((open_at[0], i, open_at[1], open_at[2]))
+            open_at = None
+    if open_at is not None:
+        raise ValueError(f"'# exercise:' at line {open_at[0] + 1} has no '# end exercise'")
+    return found
+
+
+def blank(source: str, module: str) -> str:
+    """The exercise: each region's lines replaced by one NotImplementedError that says what to write."""
+    lines = source.splitlines()
+    for first, last, indent, what in reversed(regions(source)):
+        lines[first:last + 1] = [f"{indent}raise NotImplementedError({f'{module}: write {what}'!r})"]
+    return "\n".join(lines) + "\n"
+
+
+def exercises() -> list[str]:
+    """Every module that has marked regions, in the order to do them."""
+    have = [f[:-3] for f in os.listdir(os.path.join(ROOT, "mini_dist")) if f.endswith(".py")
+            and regions(open(os.path.join(ROOT, "mini_dist", f)).read())]
+    return sorted(have, key=lambda m: (ORDER.index(m) if m in ORDER else len(ORDER), m))
+
+
+def reference(module: str) -> str:
+    if module not in exercises():
+        raise SystemExit(f"exercise: no exercise '{module}'; choose one of: {' '.join(exercises())}")
+    return open(os.path.join(ROOT, "mini_dist", f"{module}.py")).read()
+
+
+def write(module: str, force: bool = False, workspace: str = WORKSPACE) -> str:
+    """Write the blanked copy; refuse to overwrite a learner's work in progress unless forced."""
+    fresh, path = blank(reference(module), module), os.path.join(workspace, f"{module}.py")
+    if os.path.exists(path) and open(path).read() != fresh and not force:
+        raise SystemExit(f"exercise: {os.path.relpath(path, ROOT)} holds your work in progress; "
+                         f"./run.sh check {module} grades it, --force starts again from a blank copy")
+    os.makedirs(workspace, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(fresh)
+    return path
+
+
+# ----- grading: a pytest plugin that prints one line per property
+
+def pytest_runtest_logreport(report):
+    if report.when != "call" and not (report.when == "setup" and report.failed):
+        return
+    name = report.nodeid.split("::")[-1]
+    meaning = MEANINGS.get(report.nodeid.split("[")[0], name.replace("_", " "))
+    if report.passed:
+        print(f"PASS  {meaning}", flush=True)
+        return
+    text = report.longreprtext
+    error = next((line[1:].strip() for line in text.splitlines() if line.startswith("E ")), "failed")
+    case = re.search(r"Falsifying example: \w+\((.*?)\n\)", text, re.S)
+    print(f"FAIL  {meaning}\n      yours: {error[:200]}", flush=True)
+    if case:
+        print(f"      smallest case: {' '.join(case.group(1).split())[:200]}", flush=True)
+
+
+MEANINGS: dict[str, str] = {}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        doc = (getattr(item, "function", None).__doc__ or "").strip().split("\n")[0]
+        MEANINGS[item.nodeid.split("[")[0]] = doc or item.name.split("[")[0][5:].replace("_", " ")
+
+
+def check(module: str, workspace: str = WORKSPACE, demo: bool = True) -> int:
+    """Grade the learner's copy: the properties, then the demo. 0 only when everything passed."""
+    reference(module)
+    path = os.path.join(workspace, f"{module}.py")
+    if not os.path.exists(path):
+        raise SystemExit(f"check: no {os.path.relpath(path, ROOT)}; ./run.sh exercise {module} writes it")
+    env = dict(os.environ, MINI_DIST_EXERCISES=workspace, MINI_DIST_RANK_TIMEOUT="10", MINI_DIST_CALL_TIMEOUT="20",
+               HYPOTHESIS_PROFILE=os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+    tests = [os.path.join(ROOT, "tests", f) for f in sorted(os.listdir(os.path.join(ROOT, "tests")))
+             if f.startswith("test_") and f != "test_exercise.py"
+             and re.search(rf"\b{module}\b", open(os.path.join(ROOT, "tests", f)).read())]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "exercise", "-p", "no:cacheprovider",
+                             "-p", "mini_dist.kit.exercise", "--no-header", "-o", "console_output_style=classic",
+                             "--tb=short", *tests], cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = [line for line in result.stdout.splitlines() if line.startswith(("PASS", "FAIL", "      "))]
+    print("\n".join(lines) or result.stdout[-2000:] + result.stderr[-2000:], flush=True)
+    status = 0 if result.returncode == 0 else 1
+    if result.returncode == 5:
+        print(f"check: no property of {module} is marked @pytest.mark.exercise", flush=True)
+    if demo and status == 0:
+        ranks = "1" if module in ("loss_scaling", "activation_checkpoint", "moe") else "4"
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                              path], cwd=ROOT, env=env, capture_output=True, text=True)
+        summary = [line for line in run.stdout.splitlines() if line.startswith("SUMMARY|")]
+        print(f"{'PASS' if run.returncode == 0 else 'FAIL'}  the demo, run from your copy on {ranks} rank(s): "
+              f"{summary[0].split('|', 2)[2] if summary else (run.stderr.strip().splitlines() or ['?'])[-1]}")
+        status = status or (run.returncode != 0)
+    print(f"{module}: {'every property holds' if status == 0 else 'not yet'}", flush=True)
+    return status
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="./run.sh exercise|check", description=__doc__.split("\n\n")[0])
+    p.add_argument("verb", choices=["exercise", "check"])
+    p.add_argument("module", nargs="?", help="the concept (none: list them in the order to do them)")
+    p.add_argument("--force", action="store_true", help="exercise: overwrite your work in progress")
+    args = p.parse_args(argv)
+    if not args.module:
+        print(textwrap.fill("exercises, in order: " + " ".join(exercises()), 100))
+        return 0
+    if args.verb == "exercise":
+        path = write(args.module, args.force)
+        print(f"wrote {os.path.relpath(path, ROOT)}: write each NotImplementedError, then ./run.sh check {args.module}")
+        return 0
+    return check(args.module)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    raise SystemExit(main())
