@@ -18,6 +18,8 @@ element; the layer norms' mean and rstd, 4*b*s, and attention's log-sum-exp, b*H
 
 Plain TP is the naive half: layer norms and residuals run on the whole sequence, replicated T times. SP cuts
 them along the sequence, s/T tokens per rank, and turns each all-reduce into its reduce-scatter and all-gather.
+b*H*s is what a flash kernel keeps (SDPA's on the CPU); the math kernel (SDPA in fp64 on CUDA) keeps the
+b*H*s*s probabilities instead. Either way the parts scale the same, and that is what the demo judges, exactly.
 
 Layout is batch-first, [batch, seq, hidden], like nn.MultiheadAttention(batch_first=True).
 
@@ -43,9 +45,10 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
 from mini_dist.kit import launch
 from mini_dist.comm import COUNTER, SEQ, check_divisible
 from mini_dist.kit.measure import SavedTensors
-from mini_dist.tensor_parallel import (Layout, ParallelMLP, RowParallelLinear,
+from mini_dist.tensor_parallel import (ParallelMLP, RowParallelLinear, SequenceParallelColumnLinear,
                                        allreduce_sequence_parallel_grads, check_input, column_parallel_linear,
-                                       gather_to_dense, parameter, shard_from_dense, tp_size)
+                                       parameter, tp_size)
+from mini_dist.tp_layout import Layout, gather_to_dense, shard_from_dense
 
 
 class ParallelAttention(nn.Module):
@@ -71,32 +74,12 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x):
         check_input(self, x, self.hidden, self.sequence_parallel)
-        qkv = column_parallel_linear(x, self.in_proj_weight, self.in_proj_bias, self.group,
-                                     self.sequence_parallel)  # [b, s, 3 * local heads * head_dim]
-        q, k, v = (t.unflatten(-1, (self.local_heads, self.head_dim)).transpose(1, 2) for t in qkv.chunk(3, -1))
+        linear = SequenceParallelColumnLinear.apply if self.sequence_parallel else column_parallel_linear
+        qkv = linear(x, self.in_proj_weight, self.in_proj_bias, self.group)     # (b, s, h) -> (b, s, 3h/T)
+        q, k, v = (t.unflatten(-1, (self.local_heads, self.head_dim)).transpose(1, 2)  # (b, H/T, s, h/H) each
+                   for t in qkv.chunk(3, -1))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # my heads only, no talking
-        return self.out_proj(out.transpose(1, 2).flatten(2))                   # [b, s, h/T] -> g -> [b, s, h]
-
-
-class TransformerBlock(nn.Module):
-    """The dense reference, from PyTorch's own layers: pre-norm GPT block x + attn(ln1(x)) + mlp(ln2(.))."""
-
-    def __init__(self, hidden, num_heads, causal=True, device=None, dtype=None):
-        super().__init__()
-        kw = dict(device=device, dtype=dtype)
-        self.causal = causal
-        self.ln1 = nn.LayerNorm(hidden, **kw)
-        self.attn = nn.MultiheadAttention(hidden, num_heads, batch_first=True, **kw)
-        self.ln2 = nn.LayerNorm(hidden, **kw)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden, **kw), nn.GELU(),
-                                 nn.Linear(4 * hidden, hidden, **kw))
-
-    def forward(self, x):
-        s = x.shape[1]
-        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1) if self.causal else None
-        a = self.ln1(x)
-        x = x + self.attn(a, a, a, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
+        return self.out_proj(out.transpose(1, 2).flatten(2))                   # (b, s, h/T) -> g -> (b, s, h)
 
 
 class ParallelTransformerBlock(nn.Module):
@@ -119,7 +102,27 @@ class ParallelTransformerBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-# ----- demo -----
+class TransformerBlock(nn.Module):
+    """The dense reference, from PyTorch's own layers: pre-norm GPT block x + attn(ln1(x)) + mlp(ln2(.))."""
+
+    def __init__(self, hidden, num_heads, causal=True, device=None, dtype=None):
+        super().__init__()
+        self.causal = causal
+        self.ln1 = nn.LayerNorm(hidden, device=device, dtype=dtype)
+        self.attn = nn.MultiheadAttention(hidden, num_heads, batch_first=True, device=device, dtype=dtype)
+        self.ln2 = nn.LayerNorm(hidden, device=device, dtype=dtype)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden, device=device, dtype=dtype), nn.GELU(),
+                                 nn.Linear(4 * hidden, hidden, device=device, dtype=dtype))
+
+    def forward(self, x):
+        s = x.shape[1]
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1) if self.causal else None
+        a = self.ln1(x)
+        x = x + self.attn(a, a, a, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+# ----- what a layer moves and keeps: the demo, and questions 11 and 12 (mini_dist/questions.py) -----
 
 Layer = namedtuple("Layer", "fwd bwd acts diff", defaults=[0.0])  # fwd, bwd: ({kind: calls}, payload bytes)
 
@@ -148,12 +151,68 @@ def _one_layer(block, dense, x, dy, sp, group):
     return Layer(fwd, bwd, saved.bytes, max((a - b).abs().max().item() for a, b in pairs))
 
 
+Block = namedtuple("Block", "one tp sp b s h heads")  # the Layers of one rank alone, TP and TP + SP
+
+
+def block_three_ways(b=2, s=16, h=32, heads=4) -> Block:
+    """On every rank of the world: the dense TransformerBlock and its twin on one rank (a group of one), under
+    TP and under TP + SP, forward and backward on the same fp64 [b, s, h] data."""
+    T, rank, dev, f64 = dist.get_world_size(), dist.get_rank(), launch.device(), torch.float64
+    torch.manual_seed(0)  # every rank: the same dense block and the same data
+    dense = TransformerBlock(h, heads, causal=True, device=dev, dtype=f64)
+    x, dy = torch.randn(2, b, s, h, device=dev, dtype=f64)
+    dense(x.requires_grad_()).backward(dy)
+    alone = [launch.new_group([r]) for r in range(T)][rank]  # a group of one: the same layers, undivided
+    return Block(*[_one_layer(shard_from_dense(ParallelTransformerBlock(h, heads, True, sp, group, dev, f64), dense,
+                                               group), dense, x, dy, sp, group)
+                   for group, sp in [(alone, False), (None, False), (None, True)]], b, s, h, heads)
+
+
+def expected(block: Block) -> tuple[Layer, Layer]:
+    """The docstring's formulas for TP and TP + SP: collectives of one [b, s, h] activation each, and the
+    activations kept, from T=1's measured bytes: the layer norms' part whole under TP, everything 1/T with SP."""
+    T, D = dist.get_world_size(), 8 * block.b * block.s * block.h
+    talk = lambda **calls: (calls, D * sum(calls.values())) if T > 1 else ({}, 0)  # noqa: E731
+    tp_acts = (whole_activations(block) * (T - 1) + block.one.acts) // T
+    return (Layer(talk(all_reduce=2), talk(all_reduce=2), tp_acts),
+            Layer(talk(all_gather=2, reduce_scatter=2), talk(all_gather=4, reduce_scatter=2), block.one.acts // T))
+
+
+def whole_activations(block: Block) -> int:
+    """Bytes TP keeps whole on every rank: the layer norms' inputs and outputs (4*b*s*h), their mean and rstd
+    (4*b*s), fp64."""
+    return 8 * (4 * block.b * block.s * block.h + 4 * block.b * block.s)
+
+
+def all_reduces_per_layer(block: Block) -> tuple[str, bool]:
+    """Question 11: a transformer layer under TP all-reduces twice forward (g after attention, g after the MLP)
+    and twice backward (f before each), one [b, s, h] activation each time."""
+    (calls, nbytes), back, n = block.tp.fwd, block.tp.bwd, block.tp.fwd[0].get("all_reduce", 0)
+    return (f"a block b={block.b} s={block.s} h={block.h} on T = {dist.get_world_size()} (= dense to "
+            f"{block.tp.diff:.0e}): forward {n} all-reduces (g after attention, g after the MLP), backward "
+            f"{back[0].get('all_reduce', 0)} (f before each), {nbytes // max(n, 1):,} B = b*s*h*8 each"), \
+        block.tp.diff < 1e-12 and block.tp[:2] == expected(block)[0][:2]
+
+
+def sequence_parallel_savings(block: Block) -> tuple[str, bool]:
+    """Question 12: SP keeps 1/T of every activation per rank, where TP keeps the layer norms' whole; its
+    collectives are the all-reduces' halves, plus an all-gather per column layer again in backward."""
+    one, tp, sp = block.one, block.tp, block.sp
+    words = lambda c: " + ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(c.items())) or "none"  # noqa: E731
+    return (f"a block b={block.b} s={block.s} h={block.h} on T = {dist.get_world_size()} (= dense to "
+            f"{max(one.diff, tp.diff, sp.diff):.0e}): activations saved for backward per rank {one.acts:,} B alone, "
+            f"{tp.acts:,} B = 1/{one.acts / tp.acts:.2f} under TP, {sp.acts:,} B = 1/{one.acts / sp.acts:.2f} with "
+            f"SP; forward TP {words(tp.fwd[0])}, SP {words(sp.fwd[0])} (same bytes on a ring); backward TP "
+            f"{words(tp.bwd[0])}, SP {words(sp.bwd[0])}"), \
+        max(one.diff, tp.diff, sp.diff) < 1e-12 and [tp[:3], sp[:3]] == [e[:3] for e in expected(block)]
+
+
 def _row(name, layer, one) -> str:
-    """One line of the demo's table: collectives each way, then activation bytes per rank against T=1."""
+    """One line of the demo's table: collectives each way (calls, payload B), activation bytes per rank."""
     short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
-    talk = [" + ".join(f"{n} {short[k]}" for k, n in sorted(c.items())) + f" {nb / 1024:.0f} KiB" if c else "-"
+    talk = [" + ".join(f"{n} {short[k]}" for k, n in sorted(c.items())) + f", {nb:,}" if c else "-"
             for c, nb in (layer.fwd, layer.bwd)]
-    return f"{name:9} {talk[0]:>20} {talk[1]:>20} {layer.acts:>12,} = 1/{one.acts / layer.acts:.2f}"
+    return f"{name:9} {talk[0]:>24} {talk[1]:>24} {layer.acts:>14,} {f'1/{one.acts / layer.acts:.2f}':>9}"
 
 
 def parser():
@@ -172,40 +231,37 @@ def demo(args) -> int:
     launch.require(h % heads == 0, f"--hidden {h} must be a multiple of --heads {heads}")
     launch.require(heads % T == 0 and s % T == 0, f"{T} ranks cannot split {heads} heads and {s} tokens "
                    f"evenly: pick --heads and --seq multiples of {T}")
-    env = launch.setup()
-    rank, dev, f64 = env.rank, env.device, torch.float64
-    alone = [launch.new_group([r]) for r in range(T)][rank]  # a group of one: the same layers, undivided
-    dense = TransformerBlock(h, heads, causal=True, device=dev, dtype=f64)
-    x = torch.randn(b, s, h, device=dev, dtype=f64, requires_grad=True)  # setup() seeds every rank alike
-    dy = torch.randn(b, s, h, device=dev, dtype=f64)
-    dense(x).backward(dy)
-    one, tp, tp_sp = [
-        _one_layer(shard_from_dense(ParallelTransformerBlock(h, heads, True, sp, group, dev, f64), dense, group),
-                   dense, x, dy, sp, group) for group, sp in [(alone, False), (None, False), (None, True)]]
-    worst = max(one.diff, tp.diff, tp_sp.diff)
-    # the formulas of the docstring: every collective carries one [b, s, h] activation of D bytes
-    D = b * s * h * 8
-    whole, cut = 8 * (4 * b * s * h + 4 * b * s), 8 * (12 * b * s * h + b * heads * s)
-    talk = lambda **calls: (calls, D * sum(calls.values())) if T > 1 else ({}, 0)  # noqa: E731
-    want_tp = Layer(talk(all_reduce=2), talk(all_reduce=2), whole + cut // T)
-    want_sp = Layer(talk(all_gather=2, reduce_scatter=2), talk(all_gather=4, reduce_scatter=2), (whole + cut) // T)
-    figure_ok = one.acts == whole + cut and tp[:3] == want_tp[:3] and tp_sp[:3] == want_sp[:3]
+    dev = launch.setup().device
+    block = block_three_ways(b, s, h, heads)
+    worst = max(block.one.diff, block.tp.diff, block.sp.diff)
     launch.print0(f"transformer block b={b} s={s} h={h} heads={heads} causal fp64, T={T}: "
                   f"max |parallel - dense| (output, grad x, all weight grads) = {worst:.1e}")
-    launch.print0(f"{'per layer':9} {'forward':>20} {'backward':>20} {'activations/rank, B':>24}")
-    for name, layer in [("T=1", one), ("TP", tp), ("formula", want_tp), ("TP+SP", tp_sp), ("formula", want_sp)]:
-        launch.print0(_row(name, layer, one))
-    params = sum(p.numel() * 8 for p in ParallelTransformerBlock(h, heads, device=dev, dtype=f64).parameters())
-    dense_params = sum(p.numel() * 8 for p in dense.parameters())
+    launch.print0(f"{'per rank':9} {'forward: calls, B':>24} {'backward: calls, B':>24} {'activations, B':>14} "
+                  f"{'vs T=1':>9}   (activations: the bytes autograd saves for backward, kit.measure.SavedTensors)")
+    want_tp, want_sp = expected(block)
+    for name, layer in [("T=1", block.one), ("TP", block.tp), ("formula", want_tp), ("TP+SP", block.sp),
+                        ("formula", want_sp)]:
+        launch.print0(_row(name, layer, block.one))
+    closed = whole_activations(block) + 8 * (12 * b * s * h + b * heads * s)
+    launch.print0(f"formulas: TP keeps the layer norms' {whole_activations(block):,} B whole and 1/T of the rest, SP "
+                  f"1/T of all (both judged)\nT=1 in closed form, e*[(4bsh + 4bs) + (12bsh + bHs)] = {closed:,} B "
+                  f"{'=' if closed == block.one.acts else '!='} measured (information: bHs is the log-sum-exp a flash "
+                  f"kernel keeps, SDPA's on the CPU; other kernels keep other bytes, the math kernel s x s "
+                  f"probabilities)")
+    params = sum(p.nbytes for p in ParallelTransformerBlock(h, heads, device=dev, dtype=torch.float64).parameters())
+    dense_params = 8 * (12 * h * h + 13 * h)  # fp64: 4 [h, h] attention and 2 [4h, h] MLP weights, biases, norms
     kept_whole = 8 * (4 * h + 2 * h)  # two layer norms (weight, bias) and the row layers' biases stay whole
-    figure_ok &= params == kept_whole + (dense_params - kept_whole) // T
-    launch.print0(f"parameters/rank {params:,} B = 1/{dense_params / params:.2f} of dense (formula: norms and row "
-                  f"biases whole, the rest 1/T = {kept_whole + (dense_params - kept_whole) // T:,})")
-    launch.print0(f"D = b*s*h*8 B = {D / 1024:.0f} KiB per collective: a ring sends 2(T-1)/T*D per AR, (T-1)/T*D "
-                  f"per AG or RS; both send {4 * (T - 1) / T * D / 1024:.0f} KiB/rank forward")
-    return launch.conclude("parallel_transformer", worst < 1e-12, f"block = dense PyTorch ({worst:.0e})",
-                           figure_ok, f"{sum(tp.fwd[0].values())}+{sum(tp.bwd[0].values())} AR/layer, "
-                           f"activations 1/{one.acts / tp.acts:.2f} (TP), 1/{one.acts / tp_sp.acts:.2f} (TP+SP)")
+    want_params = kept_whole + (dense_params - kept_whole) // T
+    launch.print0(f"parameters per rank {params:,} B = 1/{dense_params / params:.2f} of dense's {dense_params:,} B "
+                  f"(formula: norms and row biases whole, the rest 1/T = {want_params:,} B)")
+    questions = [all_reduces_per_layer(block), sequence_parallel_savings(block)]
+    for number, (figure, _) in zip((11, 12), questions):
+        launch.print0(f"question {number}: {figure}")
+    figure_ok = all(holds for _, holds in questions) and params == want_params
+    return launch.conclude("parallel_transformer", worst < 1e-12, f"block = dense PyTorch ({worst:.0e})", figure_ok,
+                           f"{sum(block.tp.fwd[0].values())}+{sum(block.tp.bwd[0].values())} AR/layer, activations "
+                           f"per rank 1/{block.one.acts / block.tp.acts:.2f} of one rank's (TP), "
+                           f"1/{block.one.acts / block.sp.acts:.2f} (TP+SP)")
 
 
 if __name__ == "__main__":

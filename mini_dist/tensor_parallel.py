@@ -21,12 +21,8 @@ naive MLP sends 15(T-1)/T*D, Megatron's 4(T-1)/T*D (and naive computes GeLU on a
 
 sequence_parallel=True (Korthikanti et al. 2022; its lesson is in parallel_transformer.py) does each all-reduce
 as its halves: a row layer reduce-scatters its output along the sequence, a column layer all-gathers its input
-(again in backward, rather than keep it). Whole parameters that see s/T tokens (a row bias, layer norms) then
-hold partial gradients: `allreduce_sequence_parallel_grads` sums them before the optimizer step.
-
-Each module records which slice of its parameters a rank holds (`tp_layout`, by name; not on the Parameter,
-so a fresh nn.Parameter assigned to `.weight` keeps it): `shard_from_dense` and `gather_to_dense` use it to
-move weights between a dense PyTorch module and its parallel twin.
+(again in backward, rather than keep it). Which slice of each parameter a rank holds, and the move between a
+dense module and its parallel twin, are mini_dist/tp_layout.py's.
 
 Demo (the MLP both ways against nn.Sequential: max difference, collectives and bytes per rank):
 
@@ -37,7 +33,6 @@ torch.distributed.tensor.parallel (ColwiseParallel, RowwiseParallel, SequencePar
 """
 import copy
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,45 +43,138 @@ import torch.nn.functional as F
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.kit import launch
-from mini_dist.comm import (COUNTER, SEQ, agree, all_gather, all_reduce, check_divisible, f, g,
-                            gather_from_tp, reduce_scatter, reduce_scatter_to_sp, split, split_to_tp)
+from mini_dist.comm import (COUNTER, SEQ, agree, all_gather, all_reduce, check_divisible, f, g, gather_from_tp,
+                            reduce_scatter, reduce_scatter_to_sp, split_to_tp)
+from mini_dist.tp_layout import Layout, gather_to_dense, layouts, shard_from_dense
 
 
-def column_parallel_linear(x, weight, bias, group=None, sequence_parallel=False, gather_output=False):
-    """Y_i = X A_i + b_i: every rank needs all of X (f; under SP its input is gathered along the sequence)."""
-    if sequence_parallel:
-        y = _SequenceGatherLinear.apply(x, weight, bias, group)  # [b, s/T, in] -> [b, s, out/T]
-    else:
-        y = F.linear(f(x, group), weight, bias)                  # [.., in] -> [.., out/T]
-    return gather_from_tp(y, group) if gather_output else y      # [.., out/T] -> [.., out]
+# ----- the idea: Megatron's MLP, column-parallel -> GeLU -> row-parallel (shapes for the MLP's h -> 4h -> h) -----
+
+def column_parallel_linear(x, weight, bias, group=None):
+    """Y_i = X A_i + b_i with my block of columns (weight: my [4h/T, h] rows of nn.Linear's [out, in]).
+    Every rank needs all of X, and backward leaves each rank a partial dX: f sums them."""
+    # exercise: f on x (identity forward, all-reduce of dX backward), then the local matmul with my columns
+    x = f(x, group)                      # (b, s, h), the same on every rank
+    return F.linear(x, weight, bias)     # (b, s, h) @ (h, 4h/T) + (4h/T) -> (b, s, 4h/T)
+    # end exercise
 
 
-def row_parallel_linear(x, weight, bias, group=None, sequence_parallel=False, input_is_parallel=True):
-    """Y = sum_i X_i A_i + b: one all-reduce (g; under SP a reduce-scatter along the sequence)."""
-    if not input_is_parallel:
-        x = split_to_tp(x, group)                                # [.., in] -> [.., in/T]
-    partial = F.linear(x, weight)                                # [.., in/T] -> [.., out]: rank i's X_i A_i
-    y = reduce_scatter_to_sp(partial, group) if sequence_parallel else g(partial, group)
-    return y if bias is None else y + bias  # after the sum, so the bias is added once, not T times
+def row_parallel_linear(x, weight, bias, group=None):
+    """Y = sum_i X_i A_i + b with my block of rows (weight: my [h, 4h/T] columns of nn.Linear's [out, in]):
+    each rank's product is a partial sum, g all-reduces them; the bias is whole on every rank."""
+    # exercise: the local matmul with my rows, g to sum the partial products, then the bias (once, not T times)
+    partial = F.linear(x, weight)        # (b, s, 4h/T) @ (4h/T, h) -> (b, s, h): my X_i A_i
+    y = g(partial, group)                # (b, s, h): sum_i X_i A_i, on every rank
+    return y if bias is None else y + bias
+    # end exercise
 
 
-# ----- the layers, and where their parameters live -----
-
-@dataclass(frozen=True)
-class Layout:
-    """Where a parameter lives on the TP group. dim: cut along it, rank i holding slice i (None: whole on
-    every rank); parts: a stacked [W_q; W_k; W_v] is cut into its parts first, each rank holding a slice of
-    each; partial_grad: whole, but each rank's gradient covers only its s/T tokens (sequence parallelism)."""
-    dim: int | None = None
-    parts: int = 1
-    partial_grad: bool = False
+def naive_parallel_mlp(hidden, ffn_hidden=None, group=None, device=None, dtype=None) -> nn.Sequential:
+    """The naive cut: both linears column-parallel, each output all-gathered so that the next layer sees
+    all of it. Parameter names are those of nn.Sequential(nn.Linear, nn.GELU(), nn.Linear)."""
+    kw = dict(gather_output=True, group=group, device=device, dtype=dtype)
+    ffn_hidden = ffn_hidden or 4 * hidden
+    return nn.Sequential(ColumnParallelLinear(hidden, ffn_hidden, **kw), nn.GELU(),   # all-gather (b, s, 4h)
+                         ColumnParallelLinear(ffn_hidden, hidden, **kw))              # all-gather (b, s, h)
 
 
-def layouts(module: nn.Module) -> dict[str, Layout]:
-    """{parameter name in module: Layout} from every submodule's `tp_layout`; a name absent is whole."""
-    return {prefix + "." * bool(prefix) + name: layout for prefix, m in module.named_modules()
-            for name, layout in getattr(m, "tp_layout", {}).items()}
+class ParallelMLP(nn.Sequential):
+    """Megatron's cut: column-parallel -> GeLU -> row-parallel, one f and one g for two matmuls; GeLU is
+    elementwise, so it needs no one else's columns. Parameter names are those of the dense nn.Sequential."""
 
+    def __init__(self, hidden, ffn_hidden=None, sequence_parallel=False, group=None, device=None, dtype=None):
+        kw = dict(sequence_parallel=sequence_parallel, group=group, device=device, dtype=dtype)
+        ffn_hidden = ffn_hidden or 4 * hidden
+        super().__init__(ColumnParallelLinear(hidden, ffn_hidden, **kw), nn.GELU(),   # (b, s, 4h/T), no talk
+                         RowParallelLinear(ffn_hidden, hidden, **kw))                 # g: (b, s, h)
+
+
+# ----- the layers: nn.Linear's interface, my slice of its parameters -----
+
+class ColumnParallelLinear(nn.Module):
+    """nn.Linear with the output features cut: rank i holds rows i*out/T.. of the weight and bias."""
+
+    def __init__(self, in_features, out_features, bias=True, gather_output=False, sequence_parallel=False,
+                 group=None, device=None, dtype=None):
+        super().__init__()
+        T = tp_size(group)
+        check_divisible("out_features", out_features, T, "pick a size that is a multiple of T")
+        self.in_features, self.group = in_features, group
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.weight = parameter((out_features // T, in_features), in_features ** -0.5, device, dtype)
+        self.bias = parameter((out_features // T,), in_features ** -0.5, device, dtype) if bias else None
+        self.tp_layout = {"weight": Layout(0), "bias": Layout(0)}
+
+    def forward(self, x):
+        check_input(self, x, self.in_features, self.sequence_parallel)
+        linear = SequenceParallelColumnLinear.apply if self.sequence_parallel else column_parallel_linear
+        y = linear(x, self.weight, self.bias, self.group)                 # (.., out/T)
+        return gather_from_tp(y, self.group) if self.gather_output else y  # the naive way: (.., out)
+
+
+class RowParallelLinear(nn.Module):
+    """nn.Linear with the input features cut: rank i holds columns i*in/T.. of the weight; the bias is
+    whole on every rank and added after the all-reduce."""
+
+    def __init__(self, in_features, out_features, bias=True, input_is_parallel=True, sequence_parallel=False,
+                 group=None, device=None, dtype=None):
+        super().__init__()
+        T = tp_size(group)
+        check_divisible("in_features", in_features, T, "pick a size that is a multiple of T")
+        self.in_features, self.local_in, self.group = in_features, in_features // T, group
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.weight = parameter((out_features, in_features // T), in_features ** -0.5, device, dtype)
+        self.bias = parameter((out_features,), in_features ** -0.5, device, dtype) if bias else None
+        self.tp_layout = {"weight": Layout(1), "bias": Layout(partial_grad=sequence_parallel)}
+
+    def forward(self, x):
+        check_input(self, x, self.local_in if self.input_is_parallel else self.in_features)
+        if not self.input_is_parallel:
+            x = split_to_tp(x, self.group)                                 # (.., in) -> (.., in/T)
+        linear = sequence_parallel_row_linear if self.sequence_parallel else row_parallel_linear
+        return linear(x, self.weight, self.bias, self.group)
+
+
+# ----- sequence parallelism: each all-reduce as its reduce-scatter and all-gather halves -----
+
+class SequenceParallelColumnLinear(torch.autograd.Function):
+    """column_parallel_linear on my s/T tokens: F.linear(gather_from_sp(x)), except that backward gathers x
+    AGAIN rather than keep the whole sequence (the SP paper's trick: only the 1/T shard stays in memory)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(all_gather(x, SEQ, group), weight, bias)  # (b, s/T, in) -> (b, s, in) -> (b, s, out/T)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        whole = all_gather(x, SEQ, ctx.group).flatten(0, -2)      # (b*s, in), gathered again
+        grad_x = reduce_scatter(grad @ weight, SEQ, ctx.group)   # sum the partial grads, keep my tokens
+        grad_2d = grad.flatten(0, -2)                            # (b*s, out/T)
+        return grad_x, grad_2d.T @ whole, grad_2d.sum(0) if ctx.has_bias else None, None
+
+
+def sequence_parallel_row_linear(x, weight, bias, group=None):
+    """row_parallel_linear keeping my s/T tokens of the sum: a reduce-scatter along the sequence (for g)."""
+    y = reduce_scatter_to_sp(F.linear(x, weight), group)  # (b, s, 4h/T) @ (4h/T, h) -> (b, s, h) -> (b, s/T, h)
+    return y if bias is None else y + bias
+
+
+def allreduce_sequence_parallel_grads(module, group=None) -> None:
+    """Under SP, layer norms and row-parallel biases see only s/T tokens per rank: sum their gradients over
+    the group (one all-reduce for all of them) before the optimizer step."""
+    named = dict(module.named_parameters())
+    params = [named[n] for n, layout in layouts(module).items()
+              if layout.partial_grad and n in named and named[n].grad is not None]
+    if params:
+        flat = all_reduce(torch.cat([p.grad.flatten() for p in params]), group)
+        for p, grad in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(grad.view_as(p))
+
+
+# ----- the guards -----
 
 def tp_size(group=None) -> int:
     if dist.get_rank(group) < 0:
@@ -111,147 +199,48 @@ def check_input(layer: nn.Module, x, features: int, sequence_parallel: bool = Fa
         raise ValueError(f"sequence parallel needs [batch, seq/T, hidden] inputs, got {tuple(x.shape)}")
 
 
-class ColumnParallelLinear(nn.Module):
-    """nn.Linear with the output features cut: rank i holds rows i*out/T.. of the weight and bias."""
+# ----- what a step moves: the demo, and question 10 (mini_dist/questions.py) -----
 
-    def __init__(self, in_features, out_features, bias=True, gather_output=False, sequence_parallel=False,
-                 group=None, device=None, dtype=None):
-        super().__init__()
-        T = tp_size(group)
-        check_divisible("out_features", out_features, T, "pick a size that is a multiple of T")
-        self.in_features, self.group = in_features, group
-        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.weight = parameter((out_features // T, in_features), in_features ** -0.5, device, dtype)
-        self.bias = parameter((out_features // T,), in_features ** -0.5, device, dtype) if bias else None
-        self.tp_layout = {"weight": Layout(0), "bias": Layout(0)}
+def mlp_step_counted(build, b, s, h, group=None):
+    """The dense MLP h -> 4h -> h and build(h), its parallel twin, forward and backward on the same fp64 [b, s, h]
+    data: for forward, then backward, ({kind: calls}, payload B, B a ring sends per rank: k(T-1)/T payloads),
+    then max |parallel - dense| over the output, grad x and the weight grads."""
+    T, dev, f64, ring = dist.get_world_size(group), launch.device(), torch.float64, {"all_gather": 1, "all_reduce": 2}
+    torch.manual_seed(b * s * h)  # every rank: the same dense MLP and the same data
+    dense = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)).to(dev, f64)
+    x, dy = torch.randn(2, b, s, h, device=dev, dtype=f64)
+    dense(x.requires_grad_()).backward(dy)
+    mlp = shard_from_dense(build(h, group=group, device=dev, dtype=f64), dense, group)
+    xin = x.detach().requires_grad_()
 
-    def forward(self, x):
-        check_input(self, x, self.in_features, self.sequence_parallel)
-        return column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel,
-                                      self.gather_output)
-
-
-class RowParallelLinear(nn.Module):
-    """nn.Linear with the input features cut: rank i holds columns i*in/T.. of the weight; the bias is
-    whole on every rank and added after the all-reduce."""
-
-    def __init__(self, in_features, out_features, bias=True, input_is_parallel=True, sequence_parallel=False,
-                 group=None, device=None, dtype=None):
-        super().__init__()
-        T = tp_size(group)
-        check_divisible("in_features", in_features, T, "pick a size that is a multiple of T")
-        self.in_features, self.local_in, self.group = in_features, in_features // T, group
-        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.weight = parameter((out_features, in_features // T), in_features ** -0.5, device, dtype)
-        self.bias = parameter((out_features,), in_features ** -0.5, device, dtype) if bias else None
-        self.tp_layout = {"weight": Layout(1), "bias": Layout(partial_grad=sequence_parallel)}
-
-    def forward(self, x):
-        check_input(self, x, self.local_in if self.input_is_parallel else self.in_features)
-        return row_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel,
-                                   self.input_is_parallel)
+    def tally():
+        counted = (dict(COUNTER.calls), sum(COUNTER.bytes.values()),
+                   sum(ring[k] * (T - 1) / T * n for k, n in COUNTER.bytes.items()))
+        COUNTER.reset()
+        return counted
+    COUNTER.reset()
+    out = mlp(xin)
+    fwd = tally()
+    out.backward(dy)
+    bwd = tally()
+    pairs = [(out, dense(x)), (xin.grad, x.grad)] + [(p.grad, q.grad) for p, q in zip(
+        gather_to_dense(mlp, copy.deepcopy(dense), group).parameters(), dense.parameters())]
+    return fwd, bwd, max((a - c).abs().max().item() for a, c in pairs)
 
 
-def naive_parallel_mlp(hidden, ffn_hidden=None, group=None, device=None, dtype=None) -> nn.Sequential:
-    """The naive cut: both linears column-parallel, each output all-gathered so that the next layer sees
-    all of it. Parameter names are those of nn.Sequential(nn.Linear, nn.GELU(), nn.Linear)."""
-    kw = dict(gather_output=True, group=group, device=device, dtype=dtype)
-    ffn_hidden = ffn_hidden or 4 * hidden
-    return nn.Sequential(ColumnParallelLinear(hidden, ffn_hidden, **kw), nn.GELU(),   # gather [b, s, 4h]
-                         ColumnParallelLinear(ffn_hidden, hidden, **kw))              # gather [b, s, h]
+def tensor_parallel_traffic(hidden=32, group=None) -> tuple[str, bool]:
+    """Question 10, on every rank of `group`: a Megatron MLP's bytes per step grow with the tokens (2 x 8,
+    then 4 x 8), where data parallelism would all-reduce the same gradient bytes whatever the batch."""
+    T, h = dist.get_world_size(group), hidden
+    (f2, b2, d2), (f4, b4, d4) = (mlp_step_counted(ParallelMLP, b, 8, h, group) for b in (2, 4))
+    payload, calls, worst = {2: f2[1] + b2[1], 4: f4[1] + b4[1]}, sum(f2[0].values()) + sum(b2[0].values()), \
+        max(d2, d4)
+    grads = 8 * (8 * h * h + 5 * h)  # the dense MLP's fp64 gradients: two [4h, h] weights and their biases
+    return (f"MLP {h} -> {4 * h} -> {h} on T = {T} (= dense to {worst:.0e}): {calls} all-reduces of activations "
+            f"per step, payload {payload[2]:,} B at 2 x 8 tokens, {payload[4]:,} B at 4 x 8: TP's bytes grow with "
+            f"the tokens, where data parallelism all-reduces this layer's {grads:,} B of gradients once per step "
+            f"whatever the batch"), worst < 1e-12 and payload[4] == 2 * payload[2] and calls == 2 * (T > 1)
 
-
-class ParallelMLP(nn.Sequential):
-    """Megatron's cut: column-parallel -> GeLU -> row-parallel, one g forward and one f backward for two
-    matmuls. Parameter names are those of nn.Sequential(nn.Linear, nn.GELU(), nn.Linear)."""
-
-    def __init__(self, hidden, ffn_hidden=None, sequence_parallel=False, group=None, device=None, dtype=None):
-        kw = dict(sequence_parallel=sequence_parallel, group=group, device=device, dtype=dtype)
-        ffn_hidden = ffn_hidden or 4 * hidden
-        super().__init__(ColumnParallelLinear(hidden, ffn_hidden, **kw), nn.GELU(),   # [b, s, 4h/T], no talk
-                         RowParallelLinear(ffn_hidden, hidden, **kw))                 # g: [b, s, h]
-
-
-# ----- sequence parallelism: the all-reduce as reduce-scatter + all-gather -----
-
-class _SequenceGatherLinear(torch.autograd.Function):
-    """F.linear(gather_from_sp(x)), except that backward gathers x AGAIN rather than keeping the whole
-    sequence (the SP paper's trick: only the 1/T shard stays in memory), then reduce-scatters grad x."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
-        return F.linear(all_gather(x, SEQ, group), weight, bias)  # [b, s/T, in] -> [b, s, in] -> [b, s, out/T]
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        whole = all_gather(x, SEQ, ctx.group).flatten(0, -2)      # [b*s, in], gathered again
-        grad_x = reduce_scatter(grad @ weight, SEQ, ctx.group)   # sum the partial grads, keep my tokens
-        grad_2d = grad.flatten(0, -2)                            # [b*s, out/T]
-        return grad_x, grad_2d.T @ whole, grad_2d.sum(0) if ctx.has_bias else None, None
-
-
-def allreduce_sequence_parallel_grads(module, group=None) -> None:
-    """Under SP, layer norms and row-parallel biases see only s/T tokens per rank: sum their gradients over
-    the group (one all-reduce for all of them) before the optimizer step."""
-    named = dict(module.named_parameters())
-    params = [named[n] for n, layout in layouts(module).items()
-              if layout.partial_grad and n in named and named[n].grad is not None]
-    if params:
-        flat = all_reduce(torch.cat([p.grad.flatten() for p in params]), group)
-        for p, grad in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(grad.view_as(p))
-
-
-# ----- from dense to parallel and back -----
-
-def _along(t, layout: Layout, collective, group):
-    """split (my slice of a whole tensor) or all_gather (the whole from the slices) along the layout's dim;
-    a stacked [q; k; v] is taken part by part, so that each rank holds a slice of each."""
-    if layout.dim is None:
-        return t
-    d = layout.dim
-    return collective(t.unflatten(d, (layout.parts, -1)), d + 1, group).flatten(d, d + 1)
-
-
-def _pairs(parallel, dense):
-    """(parallel parameter, its layout, the dense parameter of the same name), for every parameter."""
-    full, where = dict(dense.named_parameters()), layouts(parallel)
-    for name, p in parallel.named_parameters():
-        if name not in full:
-            raise ValueError(f"the dense module has no parameter {name!r}: build the parallel module "
-                             f"with the same layout as {type(dense).__name__}")
-        yield p, where.get(name, Layout()), full[name]
-
-
-@torch.no_grad()
-def shard_from_dense(parallel, dense, group=None):
-    """Copy this rank's shard of every parameter of `dense` (same names) into `parallel`; return it."""
-    for p, layout, full in _pairs(parallel, dense):
-        local = _along(full, layout, split, group)
-        if local.shape != p.shape:
-            raise ValueError(f"shard of shape {tuple(local.shape)} does not fit a parameter of shape "
-                             f"{tuple(p.shape)}: were both modules built with the same sizes?")
-        p.copy_(local)
-    return parallel
-
-
-@torch.no_grad()
-def gather_to_dense(parallel, dense, group=None):
-    """The inverse: all-gather every shard, and its gradient when there is one, into `dense`."""
-    for p, layout, full in _pairs(parallel, dense):
-        whole = _along(p, layout, all_gather, group)
-        if whole.shape != full.shape:
-            raise ValueError(f"gathered shape {tuple(whole.shape)} does not fit the dense parameter of shape "
-                             f"{tuple(full.shape)}: were both modules built with the same sizes?")
-        full.copy_(whole)
-        full.grad = None if p.grad is None else _along(p.grad, layout, all_gather, group).clone()
-    return dense
-
-
-# ----- demo -----
 
 def parser():
     p = launch.demo_parser(__doc__)
@@ -261,52 +250,33 @@ def parser():
     return p
 
 
-def _counted(step, T):
-    """step()'s result and what it issued: ({kind: calls}, payload bytes, bytes a ring sends per rank)."""
-    COUNTER.reset()
-    result = step()
-    ring = {"all_gather": (T - 1) / T, "all_reduce": 2 * (T - 1) / T}  # sent per rank / payload
-    return result, (dict(COUNTER.calls), sum(COUNTER.bytes.values()),
-                    sum(ring[k] * n for k, n in COUNTER.bytes.items()))
-
-
 def demo(args) -> int:
     T = launch.env_world_size()
     b, s, h = args.batch, args.seq, args.hidden
     launch.require(min(b, s, h) >= 1, "--batch, --seq and --hidden must be at least 1")
     launch.require(h % T == 0, f"--hidden {h} cannot be cut into {T} equal slices: pick a multiple of {T}")
-    env = launch.setup()
-    dev, f64 = env.device, torch.float64
-    dense = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)).to(dev, f64)
-    x = torch.randn(b, s, h, device=dev, dtype=f64, requires_grad=True)  # setup() seeds every rank alike
-    dy = torch.randn(b, s, h, device=dev, dtype=f64)
-    dense(x).backward(dy)
+    launch.setup()
     D = b * s * h * 8  # bytes of one [b, s, h] fp64 activation: the formulas of the docstring
     want = {"naive": (({"all_gather": 2}, 5 * D), ({"all_reduce": 2}, 5 * D)),
             "Megatron": (({"all_reduce": 1}, D), ({"all_reduce": 1}, D))}
-    launch.print0(f"MLP {h} -> {4 * h} -> {h}, b={b} s={s} fp64, T={T}; D = b*s*h*8 B = {D / 1024:.0f} KiB\n"
-                  f"{'':9}{'forward':>18}{'backward':>18}{'sent/rank':>12}  formula (ring)")
+    launch.print0(f"MLP {h} -> {4 * h} -> {h}, b={b} s={s} fp64, T={T}; D = b*s*h*8 = {D:,} B, one activation\n"
+                  f"{'per rank':9}{'forward: calls, payload':>26}  {'backward: calls, payload':>26}"
+                  f"{'a ring sends, B':>17}   formula, B")
     worst, counted_ok, sent = 0.0, True, {}
     for name, build, k in [("naive", naive_parallel_mlp, 15), ("Megatron", ParallelMLP, 4)]:
-        mlp = shard_from_dense(build(h, device=dev, dtype=f64), dense)
-        xin = x.detach().requires_grad_()
-        out, fwd = _counted(lambda: mlp(xin), T)
-        _, bwd = _counted(lambda: out.backward(dy), T)
-        sent[name] = fwd[2] + bwd[2]
-        pairs = [(out, dense(x)), (xin.grad, x.grad)]
-        pairs += [(p.grad, q.grad) for p, q in zip(gather_to_dense(mlp, copy.deepcopy(dense)).parameters(),
-                                                   dense.parameters())]
-        worst = max([worst] + [(a - c).abs().max().item() for a, c in pairs])
+        fwd, bwd, diff = mlp_step_counted(build, b, s, h)
+        sent[name], worst = fwd[2] + bwd[2], max(worst, diff)
         counted_ok &= (fwd[:2], bwd[:2]) == (want[name] if T > 1 else (({}, 0), ({}, 0)))
-        talk = [" + ".join(f"{n} {kind}" for kind, n in c[0].items()) + f" {c[1] / D:g}D" if c[0] else "-"
+        talk = [" + ".join(f"{n} {kind}" for kind, n in c[0].items()) + f", {c[1] // D}D" if c[0] else "-"
                 for c in (fwd, bwd)]
-        launch.print0(f"{name:9}{talk[0]:>18}{talk[1]:>18}{sent[name] / 1024:>8.0f} KiB  "
-                      f"{k}(T-1)/T*D = {k * (T - 1) / T * D / 1024:.0f} KiB")
-    launch.print0(f"max |parallel - dense| (output, grad x, weight grads) = {worst:.1e}")
-    figure = (f"Megatron sends 1/{sent['naive'] / sent['Megatron']:.2f} of naive (4 vs 15 (T-1)/T*D)"
-              if T > 1 else "one rank: nothing to send")
-    return launch.conclude("tensor_parallel", worst < 1e-12, f"MLP = dense PyTorch ({worst:.0e})", counted_ok,
-                           figure)
+        launch.print0(f"{name:9}{talk[0]:>26}  {talk[1]:>26}{sent[name]:>17,.0f}   "
+                      f"{k}(T-1)/T*D = {k * (T - 1) / T * D:,.0f}")
+    traffic, traffic_ok = tensor_parallel_traffic()
+    launch.print0(f"max |parallel - dense| (output, grad x, weight grads) = {worst:.1e}\nquestion 10: {traffic}")
+    figure = (f"Megatron sends 1/{sent['naive'] / sent['Megatron']:.2f} of naive's bytes per rank (4 vs 15 "
+              f"(T-1)/T*D)" if T > 1 else "one rank: nothing to send")
+    return launch.conclude("tensor_parallel", worst < 1e-12, f"MLP = dense PyTorch ({worst:.0e})",
+                           counted_ok and traffic_ok, figure)
 
 
 if __name__ == "__main__":

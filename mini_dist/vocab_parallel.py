@@ -37,9 +37,51 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
 from mini_dist.kit import launch
 from mini_dist.comm import (COUNTER, agree, all_reduce, check_divisible, g, gather_from_tp,
                             reduce_scatter_to_sp)
-from mini_dist.tensor_parallel import (ColumnParallelLinear, Layout, gather_to_dense, parameter,
-                                       shard_from_dense, tp_size)
+from mini_dist.tensor_parallel import ColumnParallelLinear, parameter, tp_size
+from mini_dist.tp_layout import Layout, gather_to_dense, shard_from_dense
 
+
+# ----- the idea: the loss from V/T logits per rank, three numbers per token all-reduced -----
+
+def naive_vocab_cross_entropy(logits, target, group=None):
+    """The naive way: all-gather the full [..., V] logits on every rank, then F.cross_entropy."""
+    full = gather_from_tp(logits, group)                                    # (b, s, V/T) -> (b, s, V)
+    return F.cross_entropy(full.flatten(0, -2), target.flatten(), reduction="none").view_as(target)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        start = dist.get_rank(group) * logits.shape[-1]                     # my ids are [start, start + V/T)
+        # softmax needs the max and the sum over the WHOLE vocabulary: all-reduce one number per token each
+        logits = logits - all_reduce(logits.max(-1).values, group, dist.ReduceOp.MAX).unsqueeze(-1)  # (b, s, V/T)
+        local = target - start
+        mine = (local >= 0) & (local < logits.shape[-1])                    # (b, s): the target is one of mine
+        local = torch.where(mine, local, 0)
+        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine  # (b, s) target logit, on its owner
+        exp = logits.exp()                                                  # (b, s, V/T)
+        picked, sum_exp = all_reduce(torch.stack([picked, exp.sum(-1)]), group)  # two sums, one collective
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, mine)  # my V/T of the softmax
+        return sum_exp.log() - picked                                       # (b, s): log sum exp - z_target
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors
+        # d loss / d logit_j = softmax_j - [j is the target]: only the owning rank subtracts the 1
+        grad_logits = softmax.scatter_add(-1, local.unsqueeze(-1), -mine.unsqueeze(-1).to(softmax.dtype))
+        return grad_logits * grad.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, group=None):
+    """Per-token F.cross_entropy(full_logits, target, reduction='none') from this rank's V/T logits."""
+    agree("vocab_parallel_cross_entropy", (tuple(logits.shape), logits.dtype, tuple(target.shape)), group)
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} must agree "
+                         "on every dim but the last (vocabulary / T)")
+    return _VocabParallelCrossEntropy.apply(logits, target, group)
+
+
+# ----- the embedding, split by vocabulary the same way -----
 
 class VocabParallelEmbedding(nn.Module):
     """nn.Embedding with the vocabulary split: rank i holds rows i*V/T..; a token's vector comes from
@@ -65,44 +107,6 @@ class VocabParallelEmbedding(nn.Module):
         mine = (local >= 0) & (local < self.weight.shape[0])
         out = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1)
         return reduce_scatter_to_sp(out, self.group) if self.sequence_parallel else g(out, self.group)
-
-
-def naive_vocab_cross_entropy(logits, target, group=None):
-    """The naive way: all-gather the full [..., V] logits on every rank, then F.cross_entropy."""
-    full = gather_from_tp(logits, group)
-    return F.cross_entropy(full.flatten(0, -2), target.flatten(), reduction="none").view_as(target)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, group):
-        start = dist.get_rank(group) * logits.shape[-1]
-        # softmax needs the max and the sum over the WHOLE vocabulary: all-reduce one number per token each
-        logits = logits - all_reduce(logits.max(-1).values, group, dist.ReduceOp.MAX).unsqueeze(-1)
-        local = target - start
-        mine = (local >= 0) & (local < logits.shape[-1])
-        local = torch.where(mine, local, 0)
-        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine  # target logit, on its owner
-        exp = logits.exp()
-        picked, sum_exp = all_reduce(torch.stack([picked, exp.sum(-1)]), group)  # two sums, one collective
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, mine)
-        return sum_exp.log() - picked
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, local, mine = ctx.saved_tensors
-        # d loss / d logit_j = softmax_j - [j is the target]: only the owning rank subtracts the 1
-        grad_logits = softmax.scatter_add(-1, local.unsqueeze(-1), -mine.unsqueeze(-1).to(softmax.dtype))
-        return grad_logits * grad.unsqueeze(-1), None, None
-
-
-def vocab_parallel_cross_entropy(logits, target, group=None):
-    """Per-token F.cross_entropy(full_logits, target, reduction='none') from this rank's V/T logits."""
-    agree("vocab_parallel_cross_entropy", (tuple(logits.shape), logits.dtype, tuple(target.shape)), group)
-    if logits.shape[:-1] != target.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} must agree "
-                         "on every dim but the last (vocabulary / T)")
-    return _VocabParallelCrossEntropy.apply(logits, target, group)
 
 
 # ----- demo -----
@@ -146,11 +150,12 @@ def demo(args) -> int:
     want = [V * 8, 3 * 8]  # fp64: 8 bytes an element
     launch.print0(f"nn.Embedding({V}, {h}) + F.cross_entropy over {batch * seq} tokens, V/T = {V // T} rows per "
                   f"rank, T={T}, fp64: max |parallel - dense| (per-token loss, weight grads) = {worst:.1e}")
-    launch.print0(f"bytes per token: naive {sent[0]:g} all-gathered (formula V x 8 = {want[0]}), vocab-parallel "
-                  f"{sent[1]:g} all-reduced (formula 3 x 8 = {want[1]})" + ("; one rank sends nothing" * (T == 1)))
+    launch.print0(f"the loss's payload per token, per rank (forward and backward): naive {sent[0]:,g} B all-gathered "
+                  f"(formula V x 8 = {want[0]:,}), vocab-parallel {sent[1]:,g} B all-reduced (formula 3 x 8 = "
+                  f"{want[1]})" + ("; one rank sends nothing" * (T == 1)))
     return launch.conclude("vocab_parallel", worst < 1e-12, f"= nn.Embedding + F.cross_entropy ({worst:.0e})",
                            sent == (want if T > 1 else [0, 0]),
-                           f"{sent[1]:g} B/token all-reduced vs {sent[0]:g} all-gathered")
+                           f"{sent[1]:,g} B/token all-reduced vs {sent[0]:,g} B all-gathered")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,11 @@ own layers, with and without sequence parallelism, on TP groups of 1-4 inside po
 tolerance and the helpers are those of test_tensor_parallel.py). The collectives per layer are counted at
 torch.distributed itself, and the activation memory per rank is measured against its formula.
 """
+import contextlib
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -170,3 +173,22 @@ def test_a_rank_whose_input_shape_differs_is_named_on_every_rank_by_attention_an
     for case, (world, _, good, bad, after) in BLOCK_CASES.items():
         assert_named_on_every_rank(run(world, block_disagreement_worker, case), "ParallelAttention", good, bad,
                                    after)
+
+
+# ----- the demo's figures (and questions 11 and 12) hold whatever attention kernel SDPA picks -----
+
+def figures_worker(kernel):
+    """all_reduces_per_layer and sequence_parallel_savings on the whole pool, with SDPA left to choose its kernel
+    (a flash kernel on the CPU) or held to the math kernel, the one CUDA runs in fp64."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    T = dist.get_world_size()
+    with sdpa_kernel(SDPBackend.MATH) if kernel == "math" else contextlib.nullcontext():
+        block = pt.block_three_ways(2, 2 * T, 4 * T, 2 * T)
+    return pt.all_reduces_per_layer(block), pt.sequence_parallel_savings(block)
+
+
+@pytest.mark.parametrize("kernel", ["default", "math"])
+def test_the_demos_activation_and_collective_figures_hold_with_any_attention_kernel(kernel):
+    for world in (1, 3):
+        for figure, holds in (f for result in run(world, figures_worker, kernel) for f in result):
+            assert holds, (world, kernel, figure)

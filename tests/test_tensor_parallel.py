@@ -17,6 +17,7 @@ import copy
 import time
 from collections import Counter
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -143,6 +144,68 @@ def test_conjugate_operators_do_the_collective_they_name_forward_and_its_conjuga
     for result in run(world, operators_worker, seed, T, (b, s_k * T, h_k * T)):
         for name, forward_error, backward_error in result or []:
             assert forward_error < TOL and backward_error < TOL, (name, forward_error, backward_error)
+
+
+# ----- the textbook functions a learner writes (exercises) -----
+
+def first_difference(checks, rank):
+    """One line naming the first (name, got, want) that differs beyond TOL, with rank and element; else None."""
+    for name, got, want in checks:
+        if not isinstance(got, torch.Tensor):
+            return f"rank {rank}: {name} is {got!r}, want a tensor of shape {tuple(want.shape)}"
+        if got.shape != want.shape:
+            return f"rank {rank}: {name} has shape {tuple(got.shape)}, want {tuple(want.shape)}"
+        if rel_err(got, want) >= TOL:
+            at = tuple(int(i) for i in torch.unravel_index((got - want).abs().argmax(), got.shape))
+            return f"rank {rank}: {name}{list(at)} = {got[at].item():.6g}, want {want[at].item():.6g}"
+    return None
+
+
+def linear_function_worker(seed, T, column, batch, seq, in_k, out_k):
+    """column_parallel_linear / row_parallel_linear, called with this rank's slice of an nn.Linear, against it:
+    output, grad x, grad weight and grad bias (this rank's slices of the dense ones)."""
+    group, index = tp_group(T)
+    if group is None:
+        return None
+    seed_group(seed, index)
+    r, cut = dist.get_rank(group), lambda t, dim: t.detach().chunk(T, dim)[r].clone()  # noqa: E731
+    dense = nn.Linear(in_k * T, out_k * T, device=device(), dtype=F64)
+    x = torch.randn(batch, seq, in_k * T, device=device(), dtype=F64, requires_grad=True)
+    dy = torch.randn(batch, seq, out_k * T, device=device(), dtype=F64)
+    want = dense(x)
+    want.backward(dy)
+    dim = 0 if column else 1  # nn.Linear's weight is [out, in]: a column layer cuts its rows, a row layer its columns
+    w = cut(dense.weight, dim).requires_grad_()
+    b = (cut(dense.bias, 0) if column else dense.bias.detach().clone()).requires_grad_()
+    xin = (x.detach().clone() if column else cut(x, -1)).requires_grad_()
+    out = (tp.column_parallel_linear if column else tp.row_parallel_linear)(xin, w, b, group)
+    mine = cut(want, -1) if column else want
+    if isinstance(out, torch.Tensor) and out.shape == mine.shape:
+        out.backward(cut(dy, -1) if column else dy)
+    return first_difference([("output", out, mine),
+                             ("grad x", xin.grad, x.grad if column else cut(x.grad, -1)),
+                             ("grad weight", w.grad, cut(dense.weight.grad, dim)),
+                             ("grad bias", b.grad, cut(dense.bias.grad, 0) if column else dense.bias.grad)], r)
+
+
+@pytest.mark.exercise
+@settings(max_examples=10)
+@given(worlds_and_sizes, st.integers(1, 2), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3),
+       st.integers(0, 2**16))
+def test_column_parallel_linear_is_f_then_my_columns(T_world, batch, seq, in_k, out_k, seed):
+    T, world = T_world
+    problems = [p for p in run(world, linear_function_worker, seed, T, True, batch, seq, in_k, out_k) if p]
+    assert not problems, problems[0]
+
+
+@pytest.mark.exercise
+@settings(max_examples=10)
+@given(worlds_and_sizes, st.integers(1, 2), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3),
+       st.integers(0, 2**16))
+def test_row_parallel_linear_is_my_rows_then_g_then_the_bias_once(T_world, batch, seq, in_k, out_k, seed):
+    T, world = T_world
+    problems = [p for p in run(world, linear_function_worker, seed, T, False, batch, seq, in_k, out_k) if p]
+    assert not problems, problems[0]
 
 
 # ----- linear layers and MLPs -----
@@ -361,10 +424,10 @@ def errors_worker():
                            lambda: tp.ParallelMLP(4, sequence_parallel=True, group=group)(x(2, 4)),
                            lambda: comm.split_to_sp(x(2, 3, 4), group),
                            lambda: tp.shard_from_dense(tp.ColumnParallelLinear(4, 6, group=group),
-                                                       nn.Linear(4, 8), group),
-                           lambda: tp.shard_from_dense(tp.ParallelMLP(4, group=group), nn.Linear(4, 4), group),
+                                                       nn.Linear(4, 8, device=device()), group),
+                           lambda: tp.shard_from_dense(tp.ParallelMLP(4, group=group), nn.Linear(4, 4, device=device()), group),
                            lambda: tp.gather_to_dense(tp.ColumnParallelLinear(4, 6, group=group),
-                                                      nn.Linear(4, 8), group)])
+                                                      nn.Linear(4, 8, device=device()), group)])
 
 
 def test_bad_sizes_and_shapes_raise_clear_errors_on_every_rank_without_blocking():
@@ -471,3 +534,10 @@ def test_debug_mode_off_issues_no_collective_beyond_the_layers_own():
         assert seen == {"all_reduce": 2}, seen  # g forward, f backward: nothing else
     for seen in run(2, debug_off_worker, True):  # on, the agreements show up where they are counted
         assert seen["all_reduce"] == 2 and seen["all_gather_object"] >= 4, seen
+
+
+def test_tensor_parallel_traffic_grows_with_the_tokens_and_holds_on_one_rank_and_on_three():
+    # question 10's figure (4 ranks in test_questions.py): a group of one sends nothing, 3 ranks two all-reduces
+    for world in (1, 3):
+        for figure, holds in run(world, tp.tensor_parallel_traffic, 24):  # 4h = 96 cuts 3 ways
+            assert holds, (world, figure)
