@@ -1,26 +1,25 @@
 """Context parallelism: one sequence split across C ranks, attention computed with no rank holding it all.
 
 Attention needs every query to meet every key: the scores are S x S and K, V are as long as the sequence.
-Context parallelism gives each of C ranks S/C tokens of q, k and v ([batch, heads, seq, head_dim], the
-layout of F.scaled_dot_product_attention) and moves keys and values instead of tokens:
+Each of C ranks holds S/C tokens of q, k and v ([batch, heads, seq, head_dim], as F.scaled_dot_product_attention
+takes them), and keys and values move instead of tokens:
 
-    naive   all-gather K and V, attend my S/C queries to all S keys: S tokens of K/V, S/C x S scores
-    ring    (Liu et al. 2023; Megatron-LM's context parallelism, torch's context_parallel) K/V blocks go
-            round the ring, one hop a step, the next block in flight (isend/irecv) while this one is
-            computed; each block gives a partial attention (o_j, lse_j) over its keys, merged online,
-            m = max(lse, lse_j), lse' = m + log(e^(lse-m) + e^(lse_j-m)), o' = e^(lse-lse') o + e^(lse_j-lse') o_j,
-            so a rank holds two K/V blocks and one S/C x S/C tile of scores at a time. Backward walks
-            the ring again; dK/dV follow their block one step behind and land home after C-1 hops.
+    naive   all-gather K and V, then softmax(q K^T / sqrt(d)) V for my S/C queries: S/C x S scores
+    ring    (Liu et al. 2023; Megatron-LM's context parallelism, torch's context_parallel) K/V blocks go round
+            the ring, one hop a step, the next block in flight while this one is computed; each block gives a
+            partial attention (o_j, lse_j) over its keys, merged online by log-sum-exp:
+            m = max(lse, lse_j), lse' = m + log(e^(lse-m) + e^(lse_j-m)), o' = e^(lse-lse') o + e^(lse_j-lse') o_j.
+            Backward walks the ring again; dK/dV follow their block one step behind and land home.
 
 Causal masking: split contiguously, rank r needs K/V blocks 0..r and the last rank works C times as hard as
 the first, (r+1)(S/C)^2 scores. Zigzag (sequence_layout.py: rank r holds chunks r and 2C-1-r of 2C), with the
 tiles the mask zeroes entirely skipped: every rank computes (2C+1)(S/2C)^2.
 
-Bytes sent per rank per layer, |K| = b*S*H*d*e bytes (all of K, or of V; e bytes an element):
-    ring    forward 2(C-1)/C |K|      K and V blocks, C-1 hops
-            backward 4(C-1)/C |K|     K and V again, and their dK, dV accumulators
-    naive   forward all-gather of 2|K| (each rank sends (C-1)/C of it), backward reduce-scatter of 2|K|
-Scores held per rank: ring (S/C)^2 per head (causal zigzag (S/2C)^2), naive S^2/C, one process S^2.
+Bytes each rank sends per layer, |K| = b*S*H*d*e bytes (all of K, or of V; e bytes an element):
+    naive   forward 2(C-1)/C |K| (all-gather of K, V)   backward 2(C-1)/C |K| (reduce-scatter of dK, dV)
+    ring    forward 2(C-1)/C |K| (K, V: C-1 hops)       backward 4(C-1)/C |K| (K, V again, dK, dV accumulators)
+The same bytes forward; the ring buys memory, scores per rank (S/C)^2 a head (causal zigzag (S/2C)^2) against
+naive's S^2/C, K/V of two blocks against the whole sequence's, and hops hidden behind tiles of compute.
 The other design moves tokens instead of keys: DeepSpeed-Ulysses, mini_dist/ulysses.py (when each wins).
 
     torchrun --standalone --nproc_per_node=4 mini_dist/context_parallel.py [--seq 48 --heads 12]
@@ -29,7 +28,6 @@ Mirrors torch.distributed.tensor.experimental.context_parallel (ring attention, 
 """
 import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,75 +38,31 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import comm
 from mini_dist.kit import launch
-from mini_dist.sequence_layout import (CONTIGUOUS, LAYOUTS, SEQ_DIM, ZIGZAG, chunk_ids, rank_order,
-                                       reorder_chunks, split_sequence)
-
-DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
-
-@dataclass
-class ScoreLedger:
-    """Attention scores this rank computed (elements per batch and head) and its largest score tensor."""
-    elements: int = 0
-    peak_bytes: int = 0
-
-    def reset(self) -> None:
-        self.elements = self.peak_bytes = 0
-
-    def record(self, shape, dtype) -> None:
-        self.elements += shape[-2] * shape[-1]
-        self.peak_bytes = max(self.peak_bytes, math.prod(shape) * dtype.itemsize)
-
-
-SCORES = ScoreLedger()
-
-
-def check_inputs(name, q, k, v, causal, layout, group) -> None:
-    """Every rank shares its inputs' shapes before anything moves, so a bad input raises the same error on
-    every rank (naming the rank at fault) instead of leaving the others waiting in the ring."""
-    C, known = dist.get_world_size(group), layout in LAYOUTS
-    fits = known and q.dim() == 4 and q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype in DTYPES
-    mine = torch.tensor([*(q.shape if q.dim() == 4 else [-1] * 4), causal, fits, LAYOUTS.index(layout) if known
-                         else -1], device=q.device)
-    everyone = mine
-    if C > 1:  # raw, not comm's all_gather: a check is not traffic for the byte ledgers
-        everyone = mine.new_empty(C * mine.numel())
-        dist.all_gather_single(everyone, mine, group=group)
-    rows = everyone.view(C, -1).tolist()
-    rank = lambda r: dist.get_global_rank(group, r) if group is not None else r  # noqa: E731
-    for r, m in enumerate(rows):
-        if not m[5]:
-            raise ValueError(f"{name}: rank {rank(r)} passed q, k, v that are not all [batch, heads, seq/C, "
-                             f"head_dim] of one shape and one dtype of {DTYPES}, or a layout not in {LAYOUTS}")
-        if m != rows[0]:
-            raise ValueError(f"{name}: ranks disagree: rank {rank(0)} has [b, H, S/C, d] = {rows[0][:4]}, "
-                             f"causal={bool(rows[0][4])}, {LAYOUTS[rows[0][6]]}; rank {rank(r)} has {m[:4]}, "
-                             f"causal={bool(m[4])}, {LAYOUTS[m[6]]}: every rank holds an equal part of one "
-                             f"sequence (split_sequence cuts it so)")
-    if rows[0][2] == 0 or (causal and rows[0][2] % len(chunk_ids(0, C, layout))):
-        raise ValueError(f"{name}: local sequence length {rows[0][2]} cannot be the {layout} part of a sequence: "
-                         f"it holds {len(chunk_ids(0, C, layout))} equal chunks; cut the sequence with split_sequence")
+from mini_dist.sequence_layout import (CONTIGUOUS, LAYOUTS, SEQ_DIM, ZIGZAG, causal_tiles, check_inputs,
+                                       rank_order, reorder_chunks, split_sequence)
 
 
 # ----- naive: gather all of K and V -----
 
 def allgather_attention(q, k, v, causal=False, group=None, layout: str = ZIGZAG):
-    """F.scaled_dot_product_attention of my queries against the whole, gathered K and V."""
+    """softmax(q K^T / sqrt(d)) V of my queries q [b, H, S/C, d] against the whole, gathered K and V."""
     check_inputs("allgather_attention", q, k, v, causal, layout, group)
     C, me = dist.get_world_size(group), dist.get_rank(group)
     k, v = (comm.gather_from_sp(t, group, SEQ_DIM) for t in (k, v))  # [b, H, S, d]; backward reduce-scatters
-    mask = None
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])             # [b, H, S/C, S]: my rows of the scores
     if causal:  # the position of each gathered token; my queries are the me-th S/C of them
         where = reorder_chunks(torch.arange(k.shape[2], device=q.device), rank_order(C, layout), 0)
-        mask = where.view(C, -1)[me][:, None] >= where[None, :]
-    SCORES.record((*q.shape[:3], k.shape[2]), q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        s = s.masked_fill(where.view(C, -1)[me][:, None] < where[None, :], -math.inf)
+    SCORES.record(s.shape, s.dtype)
+    return s.softmax(-1) @ v                                          # [b, H, S/C, d]
 
 
-# ----- ring attention -----
+# ----- ring attention: K/V blocks rotate, partial results merged by log-sum-exp -----
 
 def _ring_pass(send, group):
-    """Start sending `send` to the next rank and receiving the previous rank's; (buffer, works) to wait on."""
+    """Start sending `send` to the next rank and receiving the previous rank's; (buffer, works) to wait on.
+    The send and the receive go in one batch: under NCCL a rank's unbatched sends and receives run in
+    order on one stream, and a receive queued ahead of the send its neighbour waits for never finishes."""
     me, C = dist.get_rank(group), dist.get_world_size(group)
     recv = torch.empty_like(send)
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, group=group, group_peer=(me + 1) % C),
@@ -123,17 +77,6 @@ def _arrived(pending):
     for work in works:
         work.wait()
     return recv
-
-
-def _tiles(me, src, C, local_len, causal, layout):
-    """(query rows, key rows, diagonal?) of the score tiles rank `me` computes against rank src's block;
-    under the causal mask a tile is whole (query chunk after key chunk), diagonal (same chunk) or skipped."""
-    if not causal:
-        return [(slice(None), slice(None), False)]
-    mine, theirs = chunk_ids(me, C, layout), chunk_ids(src, C, layout)
-    L = local_len // len(mine)
-    return [(slice(a * L, (a + 1) * L), slice(b * L, (b + 1) * L), qa == kb)
-            for a, qa in enumerate(mine) for b, kb in enumerate(theirs) if qa >= kb]
 
 
 def _scores(q, k, diagonal):
@@ -154,10 +97,13 @@ def attend(q, k, v, diagonal):
 
 
 def merge(out, lse, block_out, block_lse):
-    """Online softmax: attention over keys A and over keys B -> attention over A and B."""
+    """Online softmax: attention over keys A (out, lse) and over keys B (block_out, block_lse) -> attention
+    over A and B, and its log-sum-exp. out [b, H, Lq, d], lse [b, H, Lq, 1]; lse = -inf: no keys yet."""
+    # exercise: m = max of the two lse; new = m + log(e^(lse-m) + e^(block_lse-m)); weigh each out by e^(its lse - new)
     m = torch.maximum(lse, block_lse)                          # the running max: every exponent below is <= 0
     new = m + ((lse - m).exp() + (block_lse - m).exp()).log()
     return (lse - new).exp() * out + (block_lse - new).exp() * block_out, new
+    # end exercise
 
 
 def attend_backward(q, k, v, dout, lse, delta, diagonal):
@@ -172,9 +118,9 @@ def _ring_forward(q, k, v, causal, layout, group):
     me, C = dist.get_rank(group), dist.get_world_size(group)
     kv = torch.stack([k, v])                                   # one message a hop: [2, b, H, S/C, d]
     out, lse = torch.zeros_like(q), q.new_full((*q.shape[:3], 1), -math.inf)
-    for step in range(C):
+    for step in range(C):                                      # at step s I hold rank (me - s)'s block
         pending = _ring_pass(kv, group) if step < C - 1 else None  # the next block travels meanwhile
-        for rows, cols, diagonal in _tiles(me, (me - step) % C, C, q.shape[2], causal, layout):
+        for rows, cols, diagonal in causal_tiles(me, (me - step) % C, C, q.shape[2], causal, layout):
             o, l = attend(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], diagonal)
             out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
         kv = _arrived(pending) if pending else kv
@@ -182,15 +128,19 @@ def _ring_forward(q, k, v, causal, layout, group):
 
 
 def _ring_backward(q, k, v, out, lse, dout, causal, layout, group):
-    """The other ranks' blocks first, in forward's order, my own last: the dK/dV accumulator of block j is
-    started by rank j+1, passed on with each hop, and reaches rank j just as rank j adds its own share."""
+    """1. delta_i = dout_i . out_i, the softmax backward's row term, once.
+    2. Send my K/V block on round the ring, as the forward did.
+    3. C-1 steps: take block me-step, pass it on, compute its tiles' share of dq (kept here) and of its
+       dK/dV; add the accumulator of that block that the previous rank sent, and send the sum to the
+       next rank, which computes that block at the next step.
+    4. My own block last: my share, plus its accumulator, home after C-1 hops with every other rank's."""
     me, C = dist.get_rank(group), dist.get_world_size(group)
-    delta = (dout * out).sum(-1, keepdim=True)                 # sum_j p_ij dp_ij = dout_i . out_i
+    delta = (dout * out).sum(-1, keepdim=True)                 # 1. sum_j p_ij dp_ij = dout_i . out_i
     dq = torch.zeros_like(q)
 
     def share(src, kv):
         dkv = torch.zeros_like(kv)
-        for rows, cols, diagonal in _tiles(me, src, C, q.shape[2], causal, layout):
+        for rows, cols, diagonal in causal_tiles(me, src, C, q.shape[2], causal, layout):
             dq_t, dk_t, dv_t = attend_backward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                                                dout[:, :, rows], lse[:, :, rows], delta[:, :, rows], diagonal)
             dq[:, :, rows] += dq_t
@@ -199,17 +149,17 @@ def _ring_backward(q, k, v, out, lse, dout, causal, layout, group):
         return dkv
 
     own = torch.stack([k, v])
-    pending, accumulator, kv = (_ring_pass(own, group) if C > 1 else None), None, own
-    for step in range(1, C):
+    pending, accumulator = (_ring_pass(own, group) if C > 1 else None), None  # 2.
+    for step in range(1, C):                                   # 3.
         kv = _arrived(pending)                                 # block of rank me - step
         pending = _ring_pass(kv, group) if step < C - 1 else None
         dkv = share((me - step) % C, kv)
         if accumulator:
             dkv += _arrived(accumulator)
-        accumulator = _ring_pass(dkv, group)                   # the next rank computes this block next
-    dkv = share(me, own)
+        accumulator = _ring_pass(dkv, group)
+    dkv = share(me, own)                                       # 4.
     if accumulator:
-        dkv += _arrived(accumulator)                           # every other rank's share of my block
+        dkv += _arrived(accumulator)
     return dq, dkv[0], dkv[1]
 
 
@@ -233,6 +183,31 @@ def ring_attention(q, k, v, causal=False, group=None, layout: str = ZIGZAG):
     return RingAttention.apply(q, k, v, causal, layout, group)
 
 
+# ----- guards and ledgers -----
+
+class ScoreLedger:
+    """Attention scores this rank computed (elements per batch and head) and its largest score tensor."""
+    elements = peak_bytes = 0
+
+    def reset(self) -> None:
+        self.elements = self.peak_bytes = 0
+
+    def record(self, shape, dtype) -> None:
+        self.elements += shape[-2] * shape[-1]
+        self.peak_bytes = max(self.peak_bytes, math.prod(shape) * dtype.itemsize)
+
+
+SCORES = ScoreLedger()
+
+
+def bytes_sent(group=None) -> int:
+    """Bytes this rank sent since comm.COUNTER.reset(). comm counts an all-gather by its output and a
+    reduce-scatter by its input, the whole D, of which each rank sends the (C-1)/C that others keep; ring
+    hops and all-to-alls it counts as sent."""
+    C, counted = dist.get_world_size(group), comm.COUNTER.bytes
+    return counted["ring"] + counted["all_to_all"] + (counted["all_gather"] + counted["reduce_scatter"]) * (C - 1) // C
+
+
 # ----- demo -----
 
 def parser():
@@ -246,8 +221,8 @@ def parser():
 
 def against_sdpa(attention, full, causal, layout=ZIGZAG):
     """attention forward and backward on this rank's part of full = (q, k, v, dout): the max |difference| from
-    F.scaled_dot_product_attention on the whole sequence over out, dq, dk, dv; bytes sent forward, backward.
-    SCORES holds the scores this call computed."""
+    F.scaled_dot_product_attention on the whole sequence over out, dq, dk, dv; bytes this rank sent forward,
+    backward (bytes_sent). SCORES holds the scores this call computed."""
     whole = [t.clone().requires_grad_() for t in full[:3]]
     ref = F.scaled_dot_product_attention(*whole, is_causal=causal)
     ref.backward(full[3])
@@ -255,12 +230,29 @@ def against_sdpa(attention, full, causal, layout=ZIGZAG):
     comm.COUNTER.reset()
     SCORES.reset()
     out = attention(*mine, causal=causal, layout=layout)
-    forward = sum(comm.COUNTER.bytes.values())
+    forward = bytes_sent()
     comm.COUNTER.reset()
     out.backward(split_sequence(full[3], layout=layout))
     pairs = zip([out] + [t.grad for t in mine], [ref.detach()] + [t.grad for t in whole])
-    return max((a - split_sequence(b, layout=layout)).abs().max().item() for a, b in pairs), forward, \
-        sum(comm.COUNTER.bytes.values())
+    return max((a - split_sequence(b, layout=layout)).abs().max().item() for a, b in pairs), forward, bytes_sent()
+
+
+def rotation(full, layout=ZIGZAG) -> list[list[int]]:
+    """The ring as it ran: [rank][step] = whose K/V block that rank attended to at that forward step, found
+    by comparing the keys attend() was given with every rank's part of the whole K."""
+    global attend
+    C, original, seen = dist.get_world_size(), attend, []
+    parts = reorder_chunks(full[1], rank_order(C, layout)).chunk(C, SEQ_DIM)  # rank r's part of K
+
+    def watched(q, k, v, diagonal):
+        seen.append(next(r for r, part in enumerate(parts) if torch.equal(k, part)))
+        return original(q, k, v, diagonal)
+    attend = watched
+    try:
+        ring_attention(*(split_sequence(t, layout=layout) for t in full[:3]))
+    finally:
+        attend = original
+    return comm.all_gather(torch.tensor([seen], device=full[1].device), 0).tolist()
 
 
 def demo(args) -> int:
@@ -272,30 +264,36 @@ def demo(args) -> int:
     b, H, S, d = args.batch, args.heads, args.seq, args.head_dim
     full = [torch.randn(b, H, S, d, dtype=torch.float64, device=env.device) for _ in range(4)]  # alike on all
     K = b * S * H * d * 8
-    want = {"naive": (2 * K, 2 * K), "ring": (2 * (C - 1) * K // C, 4 * (C - 1) * K // C)}
-    launch.print0(f"C={C} ranks, b={b} H={H} S={S} d={d}, fp64, |K| = b*S*H*d*8 = {K} B\n"
-                  f"{'':13}| max |diff| out, dq, dk, dv | bytes fwd / bwd per rank | formula")
+    sent = 2 * (C - 1) * K // C  # bytes each rank sends of K and V: every block but its own
+    want = {"naive": (sent, sent), "ring": (sent, 2 * sent)}
+    launch.print0(f"C={C} ranks, b={b} H={H} S={S} d={d}, fp64, |K| = b*S*H*d*8 = {K:,} B\n"
+                  f"{'':13}| max |diff| out, dq, dk, dv | bytes each rank sent, fwd / bwd | formula, fwd / bwd")
     worst, ledgers_ok, peak = 0.0, True, {}
     for name, attention in (("naive", allgather_attention), ("ring", ring_attention)):
         for causal in (False, True):
             diff, fwd, bwd = against_sdpa(attention, full, causal)
-            formula = want[name] if C > 1 else (0, 0)
-            worst, ledgers_ok = max(worst, diff), ledgers_ok and (fwd, bwd) == formula
+            worst, ledgers_ok = max(worst, diff), ledgers_ok and (fwd, bwd) == want[name]
             peak.setdefault(name, SCORES.peak_bytes)  # non-causal: whole tiles
-            launch.print0(f"{name + ' causal' * causal:13}| {diff:27.1e} | {fwd:>10} / {bwd:<11} | "
-                          f"{formula[0]} / {formula[1]}")
-    launch.print0(f"peak score bytes per rank: ring {peak['ring']} = b*H*(S/C)^2*8, naive {peak['naive']} = "
-                  f"b*H*S^2/C*8; one process {b * H * S * S * 8}")
+            launch.print0(f"{name + ' causal' * causal:13}| {diff:27.1e} | {fwd:>15,} / {bwd:<15,}| "
+                          f"2(C-1)/C / {2 if name == 'naive' else 4}(C-1)/C |K|")
+    launch.print0(f"largest score tensor per rank, bytes: ring {peak['ring']:,} = b*H*(S/C)^2*8, naive "
+                  f"{peak['naive']:,} = b*H*S^2/C*8; one process {b * H * S * S * 8:,}")
+    held = rotation(full)
+    rotates = held == [[(r - s) % C for s in range(C)] for r in range(C)]
+    launch.print0("ring rotation, recorded: whose K/V block each rank attended to at each forward step (each "
+                  "step passes it on to rank r+1)\n       " + "".join(f"{f'step {s}':>8}" for s in range(C)) +
+                  "".join(f"\nrank {r:<2}" + "".join(f"{f'K/V {j}':>8}" for j in row) for r, row in enumerate(held)))
     work = {}
     for layout in LAYOUTS:
         against_sdpa(ring_attention, full, True, layout)
         work[layout] = comm.all_gather(torch.tensor([SCORES.elements], device=env.device), 0).tolist()
     balanced = work[CONTIGUOUS] == [(r + 1) * (S // C) ** 2 for r in range(C)] and \
         work[ZIGZAG] == [(2 * C + 1) * (S // C // 2) ** 2] * C
-    launch.print0(f"causal ring, scores per rank and head: contiguous {work[CONTIGUOUS]} = (r+1)(S/C)^2, "
-                  f"zigzag {work[ZIGZAG]} = (2C+1)(S/2C)^2")
+    launch.print0(f"causal ring, scores computed per rank and head (elements): contiguous {work[CONTIGUOUS]} = "
+                  f"(r+1)(S/C)^2, zigzag {work[ZIGZAG]} = (2C+1)(S/2C)^2")
     return launch.conclude("context_parallel", worst < 1e-12, f"= F.scaled_dot_product_attention ({worst:.0e})",
-                           ledgers_ok and balanced, f"bytes = formulas; zigzag work {work[ZIGZAG][0]} on every rank")
+                           ledgers_ok and balanced and rotates,
+                           f"bytes = formulas; K/V rotate one rank a step; zigzag work {work[ZIGZAG][0]} on every rank")
 
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ all-to-all with uneven splits; the counts are exchanged first, so every receiver
     counts    all-to-all of E integers          dispatch  my kept rows to their experts' ranks
     experts   E/W local MLPs on what arrived    combine   the reverse all-to-all, then y = sum_j w_j out_j
 
-The backward is the same two trips reversed. Bytes per rank, forward and again backward:
-(rows I send off-rank + rows other ranks send me) * h * bytes per element. Imbalance costs time as well as
-tokens: the rank whose experts drew the most rows computes longest, and the combine waits for it.
+The backward is the same two trips reversed. Bytes each rank sends, forward and again backward: its rows for
+other ranks' experts (dispatch), then the outputs of the rows other ranks sent it (combine),
+(rows out + rows in) * h * bytes per element. Imbalance costs time as well as tokens: the rank whose experts
+drew the most rows computes longest, and the combine waits for it.
 
 Naive beside optimised: `moe.MoE` runs every expert in one process, looping over them (the reference);
 `ExpertParallelMoE` shards them and moves rows with `p2p_all_to_all`, an all-to-all from isend/irecv,
@@ -25,6 +26,7 @@ Mirrors: Megatron-LM's core/transformer/moe (MoEAlltoAllTokenDispatcher), DeepSp
 """
 import copy
 import sys
+from collections import namedtuple
 from pathlib import Path
 
 import torch
@@ -33,14 +35,44 @@ import torch.distributed as dist
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import comm
-from mini_dist.kit import launch
-from mini_dist.moe import MoE, bars, route, skewed_tokens
+from mini_dist.kit import launch, measure
+from mini_dist.moe import MoE, route, skewed_tokens
+
+
+Plan = namedtuple("Plan", "token choice sent received")  # the rows' (token, choice), rows to / from each rank
+
+
+def dispatch(tokens, routing, num_experts, group=None, transport=comm.all_to_all_single):
+    """Each kept (token, choice) row of tokens [n, h] to the rank holding its expert (rank q holds experts
+    q*E/W .. (q+1)*E/W - 1). Returns the rows that arrived, grouped by source rank then by local expert;
+    got [W, E/W], the rows rank q sent for my local expert i; and the Plan that combine brings them back by."""
+    # exercise: sort kept (token, choice) pairs by expert; all-to-all the counts per expert; all_to_all_rows
+    W = dist.get_world_size(group)
+    t, j = routing.keep.nonzero(as_tuple=True)                            # kept (token, choice) pairs
+    order = routing.expert[t, j].argsort(stable=True)                     # by expert = by owner rank
+    t, j = t[order], j[order]
+    sent = torch.bincount(routing.expert[t, j], minlength=num_experts).view(W, -1)  # [W, E/W] rows to rank q
+    got = transport(torch.empty_like(sent), sent, [1] * W, [1] * W, group)         # [W, E/W] rows from rank q
+    plan = Plan(t, j, sent.sum(1).tolist(), got.sum(1).tolist())
+    return comm.all_to_all_rows(tokens[t], plan.sent, plan.received, group, transport), got, plan
+    # end exercise
+
+
+def combine(out, plan, weight, n, group=None, transport=comm.all_to_all_single):
+    """The expert outputs [sum(plan.received), h] back to their tokens' ranks (the reverse all-to-all), then
+    y_t = sum_j w_tj expert_{e_tj}(x_t) over the kept choices: [n, h], 0 for a token with none kept."""
+    # exercise: all_to_all_rows with sent and received swapped; index_add each row, times its w, into y
+    back = comm.all_to_all_rows(out, plan.received, plan.sent, group, transport)  # [kept, h], plan's order
+    return out.new_zeros((n, out.shape[1])).index_add(0, plan.token, weight[plan.token, plan.choice, None] * back)
+    # end exercise
 
 
 def p2p_all_to_all(out, x, output_splits, input_splits, group=None):
     """dist.all_to_all_single from isend/irecv: rows x[..input_splits[j]..] go to rank j, rows from rank j
     land in out[..output_splits[j]..]. Round s pairs me with me+s (send) and me-s (receive), so no rank is
-    everyone's first peer; empty messages are skipped, which both sides know from the counts."""
+    everyone's first peer; empty messages are skipped, which both sides know from the counts. Every send
+    and receive is in one batch: under NCCL, unbatched ones run in order on one stream, and a receive
+    queued ahead of the send its peer waits for would never finish."""
     W, me = dist.get_world_size(group), dist.get_rank(group)
     sends, recvs = x.split(input_splits), out.split(output_splits)
     recvs[me].copy_(sends[me])
@@ -59,7 +91,8 @@ def p2p_all_to_all(out, x, output_splits, input_splits, group=None):
 
 class ExpertParallelMoE(MoE):
     """MoE with E/W experts per rank of `group` (parameter names those of MoE: w1 is [E/W, h, ffn] here).
-    The router is replicated: allreduce_router_grads sums its gradient over the group after backward."""
+    The router is replicated: allreduce_router_grads sums its gradient over the group after backward.
+    After a call, .sent and .received: the rows this rank sent to / received from each rank."""
 
     def __init__(self, hidden, ffn_hidden, num_experts, k=2, capacity_factor=None, group=None,
                  transport=p2p_all_to_all, device=None, dtype=None):
@@ -71,16 +104,10 @@ class ExpertParallelMoE(MoE):
     def forward(self, x):
         comm.agree("ExpertParallelMoE.forward", (x.shape[-1], x.dtype), self.group)
         tokens, r = self.routing(x)
-        t, j = r.keep.nonzero(as_tuple=True)                                  # kept (token, choice) pairs
-        order = r.expert[t, j].argsort(stable=True)                           # by expert = by owner rank
-        t, j = t[order], j[order]
-        sent = torch.bincount(r.expert[t, j], minlength=self.num_experts).view(self.W, self.local)
-        got = self.transport(torch.empty_like(sent), sent, [1] * self.W, [1] * self.W, self.group)
-        self.sent, self.received = sent.sum(1).tolist(), got.sum(1).tolist()  # rows per peer rank
-        rows = comm.all_to_all_rows(tokens[t], self.sent, self.received, self.group, self.transport)
+        rows, got, plan = dispatch(tokens, r, self.num_experts, self.group, self.transport)
+        self.sent, self.received = plan.sent, plan.received
         out = self.run_experts(rows, got)                                     # [sum(received), h]
-        back = comm.all_to_all_rows(out, self.received, self.sent, self.group, self.transport)
-        return torch.zeros_like(tokens).index_add(0, t, r.weight[t, j, None] * back).view_as(x)
+        return combine(out, plan, r.weight, len(tokens), self.group, self.transport).view_as(x)
 
     def run_experts(self, rows, got):
         """Rows arrive by source rank, then by local expert (got[q, i] of them): regroup them by expert
@@ -185,6 +212,30 @@ def train(dense, alpha, args):
     return choices, comm.all_gather(torch.tensor([mine], dtype=torch.float64, device=launch.device()), 0).cpu()
 
 
+def traffic_and_stragglers(experts=8, k=2, hidden=8, seed=0) -> tuple[str, bool]:
+    """What expert parallelism sends and why a skewed router makes a straggler, on the ranks of the world:
+    the layer against one process, its bytes against the formula; then the rows that reach the busiest
+    rank when the tokens have no common direction and when they all lean one way. (figure, holds)."""
+    W, r, h, dev = dist.get_world_size(), dist.get_rank(), hidden, launch.device()
+    torch.manual_seed(seed)  # the same router and experts on every rank
+    dense = MoE(h, 2 * h, experts, k, None, device=dev, dtype=torch.float64)
+    xs, dys = ([skewed_tokens(16 + 3 * q, h, s, q) for q in range(W)] for s in (seed, seed + 1))
+    diff, nbytes, want = against_one_process(dense, p2p_all_to_all, xs, dys)
+    layer, load = parallel_like(dense), {}
+    for skew in (0.0, 4.0):
+        with torch.no_grad():
+            layer(skewed_tokens(64, h, seed + 2, r, skew=skew))
+        rows = comm.all_gather(torch.tensor([sum(layer.received)], device=dev), 0).double()
+        load[skew] = (rows.max() / rows.mean()).item()
+    diff, off = comm.all_reduce(torch.tensor([diff, nbytes != want], dtype=torch.float64, device=dev),
+                                op=dist.ReduceOp.MAX).tolist()  # the worst over the ranks
+    return (f"E = {experts} experts on {W} ranks, top-{k}: rank {r} sent {nbytes:,} B of rows by all-to-all, "
+            f"forward and back, = 2(rows out + rows in)*h*8 (= one process to {diff:.0e}); rows reaching the "
+            f"busiest rank: {load[0.0]:.2f}x the mean for tokens without a common direction, {load[4.0]:.2f}x "
+            f"when all lean one way: that rank computes longest and the return trip waits for it"), \
+        diff <= 1e-12 and off == 0 and load[4.0] > load[0.0]
+
+
 def parser():
     p = launch.demo_parser(__doc__)
     p.add_argument("--experts", type=int, default=8, help="E, spread E/W per rank")
@@ -218,20 +269,24 @@ def demo(args) -> int:
                   f"fp64, {W} ranks holding {', '.join(map(str, counts))} tokens")
     launch.print0(f"  vs the same MoE in one process (outputs, aux, drops, input/router/expert grads): max relative "
                   f"diff {p2p:.1e} over p2p_all_to_all, {native:.1e} over dist.all_to_all_single")
-    launch.print0(f"  all-to-all bytes sent per rank, fwd + bwd: {', '.join(f'{b:,}' for b, _ in ledger)}"
-                  f"  = 2(rows out + rows in)*h*8: {', '.join(f'{w:,}' for _, w in ledger)}")
-    launch.print0(f"after {args.steps} Adam steps on skewed tokens, then fresh ones:\n  {'':18}"
-                  f"{'choices per expert':<20}{'aux':>5}  {'busiest rank':>12}  dropped at cf 1.0 / 1.25")
+    launch.print0(f"  all-to-all bytes each rank sent, fwd + bwd, ranks 0..{W - 1}: "
+                  f"{', '.join(f'{b:,}' for b, _ in ledger)} = 2(rows out + rows in)*h*8: "
+                  f"{', '.join(f'{w:,}' for _, w in ledger)}")
+    traffic, traffic_ok = traffic_and_stragglers(E, k, h, args.seed)
+    launch.print0(f"  {traffic}")
+    launch.print0(f"after {args.steps} Adam steps on skewed tokens, then fresh ones (all ranks together):\n  {'':18}"
+                  f"{'choices per expert':<20}{'aux':>5}  {'busiest rank, % of rows':>23}  "
+                  f"dropped at cf 1.0 / 1.25, % of choices")
     aux = []
     for name, alpha in (("no aux loss", 0.0), (f"+ {args.aux:g} x aux", args.aux)):
         choices, ranks = train(dense, alpha, args)  # ranks: [W, 4]
         (drop1, drop125), rows = ranks[:, 1:3].sum(0) / choices.sum(), ranks[:, 3]
         aux.append(ranks[:, 0].mean().item())
-        launch.print0(f"  {name:<18}{bars(choices.tolist()):<20}{aux[-1]:>5.2f}  {rows.max() / rows.sum():>11.0%}   "
-                      f"{drop1:>6.0%} / {drop125:.0%}")
+        launch.print0(f"  {name:<18}{measure.bars(choices.tolist(), choices.max().item(), E):<20}{aux[-1]:>5.2f}  "
+                      f"{rows.max() / rows.sum():>22.0%}   {drop1:>6.0%} / {drop125:.0%}")
     launch.print0(f"  (balanced: aux 1.00, busiest rank {1 / W:.0%} of the rows, nothing dropped at cf 1.0)")
     check_ok = max(p2p, native) <= 1e-12
-    figure_ok = all(b == w for b, w in ledger) and aux[1] < aux[0]
+    figure_ok = all(b == w for b, w in ledger) and aux[1] < aux[0] and traffic_ok
     return launch.conclude("expert_parallel", check_ok, f"MoE = one process ({max(p2p, native):.0e})", figure_ok,
                            f"bytes = formula; aux {aux[0]:.2f} -> {aux[1]:.2f}")
 

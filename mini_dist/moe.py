@@ -38,7 +38,7 @@ import torch.nn.functional as F
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import comm
-from mini_dist.kit import launch
+from mini_dist.kit import launch, measure
 
 Routing = namedtuple("Routing", "expert weight keep aux")  # [n, k] ids, [n, k] w_j, [n, k] slot found, scalar
 
@@ -134,11 +134,6 @@ def skewed_tokens(n, h, seed, rank=0, step=0, skew=2.0):
     return (torch.randn(n, h, generator=g, dtype=torch.float64) + offset).to(launch.device())
 
 
-def bars(counts) -> str:
-    """A histogram in one line, one character per expert."""
-    return "".join("▁▂▃▄▅▆▇█"[round(7 * c / max(max(counts), 1))] for c in counts)
-
-
 # ----- demo -----
 
 def parser():
@@ -161,8 +156,8 @@ def demo(args) -> int:
     factors = (1.0, 1.25, 2.0)
     launch.print0(f"E={E} experts, top-{k}, n={n} tokens through a fresh router; capacity C = ceil(cf*n*k/E) = "
                   f"{' / '.join(str(capacity(cf, n, k, E)) for cf in factors)} at cf {' / '.join(map(str, factors))}"
-                  f"\n  {'':10}{'choices per expert':<20}{'aux':>5}   choices dropped at each cf (= sum_i max(0, "
-                  f"count_i - C))")
+                  f"\n  {'':10}{'choices per expert':<20}{'aux':>5}   dropped at each cf, % of the n*k choices "
+                  f"(= sum_i max(0, count_i - C))")
     exact, aux = True, []
     for name, skew in (("balanced", 0.0), ("skewed", args.skew)):
         with torch.no_grad():
@@ -174,7 +169,7 @@ def demo(args) -> int:
         f, P = counts.double() / (n * k), logits.softmax(-1).mean(0)
         exact = exact and dropped == direct and math.isclose(r.aux.item(), E * (f * P).sum().item(), rel_tol=1e-12)
         aux.append(r.aux.item())
-        launch.print0(f"  {name:<10}{bars(counts.tolist()):<20}{aux[-1]:>5.2f}   "
+        launch.print0(f"  {name:<10}{measure.bars(counts.tolist(), counts.max().item(), E):<20}{aux[-1]:>5.2f}   "
                       f"{' / '.join(f'{d / (n * k):.0%}' for d in dropped)}")
     launch.print0(f"  (uniform routing: aux 1, every token on one expert: aux E = {E})")
     return launch.conclude("moe", exact, "drops = direct count, aux = E*sum f*P", aux[1] > aux[0],

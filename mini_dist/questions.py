@@ -502,7 +502,7 @@ def interleaved_and_zero_bubble():
 # ----------------------------------------------------------------------------- sequences and experts
 
 @question(16, "What are context parallelism and Ulysses for, and how can attention run when no rank holds the "
-          "whole sequence?", "./run.sh demo context_parallel 4", ranks=RANKS, answer="""
+          "whole sequence?", "./run.sh demo ulysses 4", ranks=RANKS, answer="""
     They are for sequences whose activations do not fit one GPU: each of C ranks holds S/C tokens. Ring attention
     (Liu et al. 2023; torch's context_parallel) leaves the queries in place and passes K/V blocks round the ring;
     each block gives a partial attention and its log-sum-exp, merged online as FlashAttention merges tiles, so no
@@ -510,20 +510,7 @@ def interleaved_and_zero_bubble():
     instead: fewer bytes, but C can never exceed the number of heads. Under a causal mask a zigzag layout gives
     every rank the same work.""")
 def context_parallel_attention():
-    C, (b, H, S, d) = dist.get_world_size(), (1, 4, 32, 8)
-    full = [_data(b * H * S, d, seed).view(b, H, S, d) for seed in range(4)]
-    K, seen = b * S * H * d * 8, {}
-    for name, attention in (("ring", context_parallel.ring_attention), ("Ulysses", ulysses.ulysses_attention)):
-        diff, forward, backward = context_parallel.against_sdpa(attention, full, causal=True)
-        seen[name] = (_max(diff), forward, context_parallel.SCORES.peak_bytes)
-    whole = b * H * S * S * 8
-    return (f"S = {S} tokens, {S // C} per rank on C = {C} (zigzag), causal: ring attention and Ulysses = "
-            f"scaled_dot_product_attention on the whole sequence to {max(s[0] for s in seen.values()):.0e}; largest "
-            f"score tensor per rank: ring {seen['ring'][2]:,} B = 1/{whole // seen['ring'][2]} of the whole S x S, "
-            f"Ulysses {seen['Ulysses'][2]:,} B (S x S for H/C heads); bytes sent forward: ring {seen['ring'][1]:,} "
-            f"= 2(C-1)/C |K|, Ulysses {seen['Ulysses'][1]:,} = 4(C-1)/C^2 |K|"), \
-        max(s[0] for s in seen.values()) < 1e-12 and seen["ring"][1] == 2 * (C - 1) * K // C and \
-        seen["Ulysses"][1] == 4 * (C - 1) * K // C ** 2
+    return ulysses.ring_vs_ulysses()
 
 
 @question(17, "What does expert parallelism send, and why do bad routers make stragglers?",
@@ -534,22 +521,7 @@ def context_parallel_attention():
     holding them compute longest, and the returning all-to-all waits for them; capacity limits drop the excess
     tokens, and Switch's auxiliary loss (Fedus et al. 2021) pushes the router toward balance.""")
 def expert_parallel_traffic():
-    W, r, h = dist.get_world_size(), dist.get_rank(), 8
-    torch.manual_seed(0)  # the same router and experts on every rank
-    dense = moe.MoE(h, 2 * h, 8, 2, None, device=launch.device(), dtype=f64)
-    xs, dys = ([moe.skewed_tokens(16 + 3 * q, h, seed, q) for q in range(W)] for seed in (0, 1))
-    diff, nbytes, want = expert_parallel.against_one_process(dense, expert_parallel.p2p_all_to_all, xs, dys)
-    layer, load = expert_parallel.parallel_like(dense), {}
-    for skew in (0.0, 4.0):
-        with torch.no_grad():
-            layer(moe.skewed_tokens(64, h, 2, r, skew=skew))
-        rows = comm.all_gather(torch.tensor([sum(layer.received)], device=launch.device()), 0).double()
-        load[skew] = (rows.max() / rows.mean()).item()
-    ok = _max(diff) <= 1e-12 and _max(nbytes != want) == 0 and load[4.0] > load[0.0]
-    return (f"E = 8 experts on {W} ranks, top-2: rank 0 sent {nbytes:,} B of rows by all-to-all, forward and back, = "
-            f"2(rows out + rows in)*h*8 (= one process to {_max(diff):.0e}); rows reaching the busiest rank: "
-            f"{load[0.0]:.2f}x the mean for tokens without a common direction, {load[4.0]:.2f}x when all lean one "
-            f"way: that rank computes longest and the return trip waits for it"), ok
+    return expert_parallel.traffic_and_stragglers()
 
 
 # ----------------------------------------------------------------------------- memory and precision

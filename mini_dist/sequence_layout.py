@@ -76,8 +76,51 @@ def gather_sequence(x, group=None, layout: str = ZIGZAG, dim: int = SEQ_DIM):
 
 def causal_pairs(S: int, C: int, layout: str) -> list[int]:
     """The (query, key) pairs the causal mask keeps for each rank's queries: sum of (position + 1)."""
-    positions = reorder_chunks(torch.arange(S), rank_order(C, layout), 0).view(C, -1)  # [C, S/C]
+    positions = reorder_chunks(torch.arange(S), rank_order(C, layout), 0).view(C, -1)  # cpu: counting; [C, S/C]
     return (positions + 1).sum(1).tolist()
+
+
+def causal_tiles(me, src, C, local_len, causal, layout):
+    """(query rows, key rows, diagonal?) of the score tiles rank `me` computes against rank src's block;
+    under the causal mask a tile is whole (query chunk after key chunk), diagonal (same chunk) or skipped."""
+    if not causal:
+        return [(slice(None), slice(None), False)]
+    mine, theirs = chunk_ids(me, C, layout), chunk_ids(src, C, layout)
+    L = local_len // len(mine)
+    return [(slice(a * L, (a + 1) * L), slice(b * L, (b + 1) * L), qa == kb)
+            for a, qa in enumerate(mine) for b, kb in enumerate(theirs) if qa >= kb]
+
+
+# ----- the guard every context-parallel attention runs first -----
+
+DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_inputs(name, q, k, v, causal, layout, group) -> None:
+    """Every rank shares its inputs' shapes before anything moves, so a bad input raises the same error on
+    every rank (naming the rank at fault) instead of leaving the others waiting in the ring."""
+    C, known = dist.get_world_size(group), layout in LAYOUTS
+    fits = known and q.dim() == 4 and q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype in DTYPES
+    mine = torch.tensor([*(q.shape if q.dim() == 4 else [-1] * 4), causal, fits, LAYOUTS.index(layout) if known
+                         else -1], device=q.device)
+    everyone = mine
+    if C > 1:  # raw, not comm's all_gather: a check is not traffic for the byte ledgers
+        everyone = mine.new_empty(C * mine.numel())
+        dist.all_gather_single(everyone, mine, group=group)
+    rows = everyone.view(C, -1).tolist()
+    rank = lambda r: dist.get_global_rank(group, r) if group is not None else r  # noqa: E731
+    for r, m in enumerate(rows):
+        if not m[5]:
+            raise ValueError(f"{name}: rank {rank(r)} passed q, k, v that are not all [batch, heads, seq/C, "
+                             f"head_dim] of one shape and one dtype of {DTYPES}, or a layout not in {LAYOUTS}")
+        if m != rows[0]:
+            raise ValueError(f"{name}: ranks disagree: rank {rank(0)} has [b, H, S/C, d] = {rows[0][:4]}, "
+                             f"causal={bool(rows[0][4])}, {LAYOUTS[rows[0][6]]}; rank {rank(r)} has {m[:4]}, "
+                             f"causal={bool(m[4])}, {LAYOUTS[m[6]]}: every rank holds an equal part of one "
+                             f"sequence (split_sequence cuts it so)")
+    if rows[0][2] == 0 or (causal and rows[0][2] % len(chunk_ids(0, C, layout))):
+        raise ValueError(f"{name}: local sequence length {rows[0][2]} cannot be the {layout} part of a sequence: "
+                         f"it holds {len(chunk_ids(0, C, layout))} equal chunks; cut the sequence with split_sequence")
 
 
 # ----- demo -----

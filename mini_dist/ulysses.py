@@ -34,8 +34,8 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import comm
 from mini_dist.kit import launch
-from mini_dist.context_parallel import SCORES, against_sdpa, check_inputs, ring_attention
-from mini_dist.sequence_layout import (CONTIGUOUS, SEQ_DIM, ZIGZAG, rank_order, reorder_chunks,
+from mini_dist.context_parallel import SCORES, against_sdpa, ring_attention
+from mini_dist.sequence_layout import (CONTIGUOUS, SEQ_DIM, ZIGZAG, check_inputs, rank_order, reorder_chunks,
                                        to_position_order)
 
 HEAD_DIM = 1  # [batch, heads, seq, head_dim]
@@ -69,6 +69,27 @@ def parser():
     return p
 
 
+def ring_vs_ulysses(b=1, H=4, S=32, d=8) -> tuple[str, bool]:
+    """How attention runs when no rank holds the whole sequence, on the ranks of the world: causal ring
+    attention and Ulysses against F.scaled_dot_product_attention on the whole sequence, each one's largest
+    score tensor and the bytes each rank sent forward, against the formulas. (figure, holds)."""
+    C, dev, K, seen = dist.get_world_size(), launch.device(), b * S * H * d * 8, {}
+    full = [torch.randn(b, H, S, d, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).to(dev)
+            for seed in range(4)]  # the same whole sequence on every rank
+    for name, attention in (("ring", ring_attention), ("Ulysses", ulysses_attention)):
+        diff, forward, _ = against_sdpa(attention, full, causal=True)
+        seen[name] = (diff, forward, SCORES.peak_bytes)
+    worst = comm.all_reduce(torch.tensor([max(s[0] for s in seen.values())], dtype=torch.float64, device=dev),
+                            op=dist.ReduceOp.MAX).item()
+    whole = b * H * S * S * 8
+    return (f"S = {S} tokens, {S // C} per rank on C = {C} (zigzag), causal: ring attention and Ulysses = "
+            f"scaled_dot_product_attention on the whole sequence to {worst:.0e}; largest score tensor per rank: "
+            f"ring {seen['ring'][2]:,} B = 1/{whole // seen['ring'][2]} of the whole S x S, Ulysses "
+            f"{seen['Ulysses'][2]:,} B (S x S for H/C heads); bytes each rank sent forward: ring {seen['ring'][1]:,}"
+            f" = 2(C-1)/C |K|, Ulysses {seen['Ulysses'][1]:,} = 4(C-1)/C^2 |K|"), \
+        worst < 1e-12 and seen["ring"][1] == 2 * (C - 1) * K // C and seen["Ulysses"][1] == 4 * (C - 1) * K // C ** 2
+
+
 def demo(args) -> int:
     C = launch.env_world_size()
     launch.require(min(args.seq, args.heads, args.head_dim, args.batch) > 0, "sizes must be positive")
@@ -81,25 +102,23 @@ def demo(args) -> int:
     full = [torch.randn(b, H, S, d, dtype=torch.float64, device=env.device) for _ in range(4)]  # alike on all
     K = b * S * H * d * 8
     want = {"Ulysses": (4 * (C - 1) * K // C ** 2,) * 2, "ring": (2 * (C - 1) * K // C, 4 * (C - 1) * K // C)}
-    launch.print0(f"C={C} ranks, b={b} H={H} S={S} d={d}, fp64, |K| = b*S*H*d*8 = {K} B\n"
-                  f"{'':16}| max |diff| out, dq, dk, dv | bytes fwd / bwd per rank | formula")
-    worst, ledgers_ok, peak, sent = 0.0, True, {}, {}
+    formula = {"Ulysses": "4(C-1)/C^2 / 4(C-1)/C^2 |K|", "ring": "2(C-1)/C / 4(C-1)/C |K|"}
+    launch.print0(f"C={C} ranks, b={b} H={H} S={S} d={d}, fp64, |K| = b*S*H*d*8 = {K:,} B\n"
+                  f"{'':16}| max |diff| out, dq, dk, dv | bytes each rank sent, fwd / bwd | formula, fwd / bwd")
+    worst, ledgers_ok, sent = 0.0, True, {}
     for name, attention in (("Ulysses", ulysses_attention), ("ring", ring_attention)):
         for causal in (False, True):
             diff, fwd, bwd = against_sdpa(attention, full, causal)
-            formula = want[name] if C > 1 else (0, 0)
-            worst, ledgers_ok = max(worst, diff), ledgers_ok and (fwd, bwd) == formula
-            peak.setdefault(name, SCORES.peak_bytes)
+            worst, ledgers_ok = max(worst, diff), ledgers_ok and (fwd, bwd) == (want[name] if C > 1 else (0, 0))
             sent[name] = fwd, bwd
-            launch.print0(f"{name + ' causal' * causal:16}| {diff:27.1e} | {fwd:>10} / {bwd:<11} | "
-                          f"{formula[0]} / {formula[1]}")
+            launch.print0(f"{name + ' causal' * causal:16}| {diff:27.1e} | {fwd:>15,} / {bwd:<15,}| {formula[name]}")
     if C > 1:
         launch.print0(f"ring / Ulysses bytes: forward {sent['ring'][0] / sent['Ulysses'][0]:g} = C/2, backward "
                       f"{sent['ring'][1] / sent['Ulysses'][1]:g} = C")
-    launch.print0(f"peak score bytes per rank: Ulysses {peak['Ulysses']} = b*(H/C)*S^2*8, ring {peak['ring']} = "
-                  f"b*H*(S/C)^2*8; one process {b * H * S * S * 8}")
-    return launch.conclude("ulysses", worst < 1e-12, f"= F.scaled_dot_product_attention ({worst:.0e})", ledgers_ok,
-                           "bytes = formulas: 4(C-1)/C^2 |K| each way, ring C/2 and C times more")
+    figure, holds = ring_vs_ulysses(b, H, S, d)
+    launch.print0(figure)
+    return launch.conclude("ulysses", worst < 1e-12, f"= F.scaled_dot_product_attention ({worst:.0e})",
+                           ledgers_ok and holds, "bytes = formulas: 4(C-1)/C^2 |K| each way, ring C/2 and C times more")
 
 
 if __name__ == "__main__":

@@ -8,13 +8,12 @@ the world in the zigzag layout. Rows:
   head-tail load balance, K/V all-gathered once by default), fed the CPU flash-attention kernel, because
   context_parallel itself has no CPU dispatch for causal attention (tests/test_context_parallel.py says why).
   Same blocks, same merges, but torch's kernel is fused and never builds a score tile; ours runs matmul,
-  exp, matmul on a (S/2C)^2 tile (one 512 x 512 tile, 8 heads, forward + backward, one thread: 17 ms against
-  the fused kernel's 8.4 ms), so no target: the row says what fusing is worth.
+  exp, matmul on a (S/2C)^2 tile, so no target: the row says what fusing is worth.
 - ring and Ulysses vs one process: F.scaled_dot_product_attention on the whole sequence on rank 0 alone
   (what one device would do), the others idle. With 4 ranks on 2 cores, C ranks can be at most 2x faster.
 - ring vs contiguous: the same ring, the causal work spread evenly (zigzag) or piled on the last rank; zigzag
   must be the faster.
-Each note carries the peak memory of one call (mini_dist/measure.py: CPU heap sampled, a lower bound; CUDA's
+Each note carries the peak memory of one call (mini_dist/kit/measure.py: CPU heap sampled, a lower bound; CUDA's
 allocator peak on GPUs), the largest over the ranks.
 """
 import torch
