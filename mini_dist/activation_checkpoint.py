@@ -1,34 +1,22 @@
 """Activation checkpointing: keep a segment's input, not its activations; recompute them in backward.
 
 Backward needs tensors from forward (activations): L layers keeping A bytes each hold L*A until their
-backward. Checkpointing a segment keeps only its input (I bytes) and runs its forward again in backward
-(Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"). L layers cut into k segments keep k
-inputs, plus, while one segment is recomputed, its L/k layers:
+backward. Checkpointing a segment keeps only its input (I bytes) and the RNG state; backward runs its
+forward again, with grad on and the same dropout masks, and backpropagates through it (Chen et al. 2016,
+"Training Deep Nets with Sublinear Memory Cost"). L layers cut into k segments keep k inputs, plus, while
+one segment is recomputed, its L/k layers:
 
     memory  M(k) = k*I + (L/k)*A,  least at k = sqrt(L*A/I)  (k = sqrt(L) when I ~ A: 2*sqrt(L) layers)
     compute one extra forward: F + 2F + F = 4/3 of a step, when backward costs twice the forward
 
 checkpoint_sequential (torch's and ours) leaves the last segment alone, as backward needs it first:
-(k-1)*I + (L - (k-1)*floor(L/k))*A bytes stay after forward. Selective checkpointing (Korthikanti et al.
-2022) keeps the outputs of the matmuls, which cost the FLOPs, and recomputes the cheap ops (norms,
-softmax, GeLU, dropout), which cost the bytes: in attention the 5as^2b of a layer's sbh(34 + 5as/h).
-
-Two ways to recompute, both in torch.utils.checkpoint:
-- reentrant (naive, use_reentrant=True): an autograd.Function runs the segment under no_grad keeping its
-  inputs; its backward runs it again with grad on and calls torch.autograd.backward inside backward. So
-  (1) when no input requires grad, neither does the output: the weights inside get no gradient; (2) the
-  inner backward writes the weights' .grad, so torch.autograd.grad(loss, weights) cannot see them;
-  (3) Function.apply takes no keyword arguments.
-- non-reentrant (use_reentrant=False, which PyTorch recommends; `checkpoint` here): the segment runs with
-  grad on, so the graph is the real one, but saved_tensors_hooks put a number where each saved tensor
-  would go. The first number backward unpacks re-runs the segment (same RNG state: dropout draws the same
-  mask) and every number gets its recomputed tensor. One backward, so all three cases just work.
-Measured, not assumed (mini_dist.measure): bytes saved for backward, bytes alive op by op, FLOPs.
+(k-1)*I + (L - (k-1)*floor(L/k))*A bytes stay after forward. Keeping some of a segment's tensors and
+recomputing the rest is selective checkpointing: mini_dist/selective_checkpoint.py.
 
     torchrun --standalone --nproc_per_node=1 mini_dist/activation_checkpoint.py [--layers 16 --segments 4]
 
-Mirrors torch.utils.checkpoint (checkpoint, checkpoint_sequential, create_selective_checkpoint_contexts)
-and, for checkpoint_module, torch.distributed._composable.checkpoint.
+Mirrors torch.utils.checkpoint (checkpoint, checkpoint_sequential) and, for checkpoint_module,
+torch.distributed._composable.checkpoint.
 """
 import contextlib
 import functools
@@ -39,12 +27,35 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.kit import launch
 from mini_dist.kit.measure import bars, profile_step
+
+
+# ----- the textbook: forward without grad, keeping the input; backward recomputes, then backpropagates -----
+
+class ReentrantCheckpoint(torch.autograd.Function):
+    """.apply(fn, *inputs) = torch.utils.checkpoint.checkpoint(fn, *inputs, use_reentrant=True), tensors only."""
+
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        # exercise: keep fn, the inputs (ctx.save_for_backward) and rng_state(inputs); return fn(*inputs)
+        ctx.fn, ctx.rng = fn, rng_state(inputs)
+        ctx.save_for_backward(*inputs)
+        return fn(*inputs)  # a Function's forward runs without grad: nothing inside is saved
+        # end exercise
+
+    @staticmethod
+    def backward(ctx, grad):
+        # exercise: rerun fn with grad on under replayed_rng, backpropagate grad, return the inputs' grads
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        with replayed_rng(ctx.rng), torch.enable_grad():
+            output = ctx.fn(*inputs)
+        torch.autograd.backward(output, grad)  # the engine inside the engine: weights' .grad filled here
+        return None, *(x.grad for x in inputs)
+        # end exercise
 
 
 def rng_state(tensors) -> tuple:
@@ -64,30 +75,16 @@ def replayed_rng(state):
         yield
 
 
-# ----- naive: reentrant -----
-
-class ReentrantCheckpoint(torch.autograd.Function):
-    """.apply(fn, *inputs) = torch.utils.checkpoint.checkpoint(fn, *inputs, use_reentrant=True), tensors only."""
-
-    @staticmethod
-    def forward(ctx, fn, *inputs):
-        ctx.fn, ctx.rng = fn, rng_state(inputs)
-        ctx.save_for_backward(*inputs)
-        return fn(*inputs)  # a Function's forward runs without grad: nothing inside is saved
-
-    @staticmethod
-    def backward(ctx, grad):
-        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
-        with replayed_rng(ctx.rng), torch.enable_grad():
-            output = ctx.fn(*inputs)
-        torch.autograd.backward(output, grad)  # the engine inside the engine: weights' .grad filled here
-        return None, *(x.grad for x in inputs)
-
-
-# ----- non-reentrant, and selective -----
+# ----- non-reentrant: the real graph, with recomputed tensors where the saved ones would be -----
+# What it buys: the textbook's backward is a second engine run, so (1) when no input requires grad, neither
+# does its output, and the weights inside get no gradient; (2) the weights' .grad is written inside, where
+# torch.autograd.grad(loss, weights) cannot see it; (3) Function.apply takes no keyword arguments. Here the
+# segment runs with grad on, so the graph is the real one, but saved_tensors_hooks put a number where each
+# saved tensor would go; the first number backward unpacks reruns the segment, and every number gets its
+# recomputed tensor. One backward, so all three just work (PyTorch recommends this form).
 
 class SaveForRecompute(torch.autograd.Function):
-    """Keeps a segment's inputs (and a policy's kept outputs) the way autograd keeps activations, so that
+    """Keeps a segment's inputs (and what a context keeps) the way autograd keeps activations, so that
     saved_tensors_hooks see them, as they see torch's checkpoint inputs. Its output is never used."""
 
     @staticmethod
@@ -96,38 +93,16 @@ class SaveForRecompute(torch.autograd.Function):
         return anchor.new_empty(0)
 
 
-MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default]  # nn.Linear's, not attention's bmm
-
-
-def keep_matmuls(op) -> bool:
-    """The selective policy: keep what the weight matmuls return, recompute everything else."""
-    return op in MATMULS
-
-
-class Selective(TorchDispatchMode):
-    """Sees every op of a segment. In forward (kept: a list) it keeps the outputs of the ops policy(op)
-    keeps; in recomputation (kept: an iterator over them) those ops hand them back instead of running."""
-
-    def __init__(self, policy, kept):
-        super().__init__()
-        self.policy, self.kept = policy, kept
-
-    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
-        if self.policy(op) and not isinstance(self.kept, list):
-            return next(self.kept).detach()
-        out = op(*args, **(kwargs or {}))
-        if self.policy(op):
-            self.kept.append(out.detach())
-        return out
-
-
 class Checkpoint:
     """One checkpointed call of fn. Forward: fn runs with a number saved in place of every tensor it
-    saves; what stays are the tensors among its arguments (and what a policy keeps), in SaveForRecompute.
-    Backward: the first number unpacked re-runs fn, and every number gets its recomputed tensor."""
+    saves; what stays are the tensors among its arguments (and what `context` keeps), in SaveForRecompute.
+    Backward: the first number unpacked reruns fn, and every number gets its recomputed tensor.
+    context(kept), if given, is entered around fn: in forward kept is a list it may fill with tensors to
+    keep, in the recomputation an iterator over them (selective checkpointing, selective_checkpoint.py)."""
 
-    def __init__(self, fn, policy=None):
-        self.fn, self.policy, self.count, self.recomputed = fn, policy, 0, []
+    def __init__(self, fn, context=None):
+        self.fn, self.count, self.recomputed = fn, 0, []
+        self.context = context or (lambda kept: contextlib.nullcontext())
 
     def forward(self, args, kwargs):
         values = [*args, *kwargs.values()]
@@ -136,14 +111,11 @@ class Checkpoint:
         self.others = [None if t else v for v, t in zip(values, self.is_tensor)]  # tensors go to autograd
         inputs, kept = [v for v, t in zip(values, self.is_tensor) if t], []
         self.rng, self.n_inputs = rng_state(inputs), len(inputs)
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), self.selective(kept):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), self.context(kept):
             out = self.fn(*args, **kwargs)
-        anchor = torch.empty(0, requires_grad=True)  # gives SaveForRecompute a graph node to live in
+        anchor = torch.empty(0, requires_grad=True)  # cpu: holds no data, only gives SaveForRecompute a node
         self.saved = SaveForRecompute.apply(anchor, *inputs, *kept)
         return out
-
-    def selective(self, kept):
-        return Selective(self.policy, kept) if self.policy else contextlib.nullcontext()
 
     def pack(self, tensor) -> int:
         """Forward: a number instead of the tensor, which is freed as soon as forward lets go of it."""
@@ -164,7 +136,7 @@ class Checkpoint:
         self.recomputed = []
         capture = torch.autograd.graph.saved_tensors_hooks(lambda t: self.recomputed.append(t.detach()),
                                                            lambda nothing: nothing)
-        with replayed_rng(self.rng), torch.enable_grad(), capture, self.selective(iter(saved[self.n_inputs:])):
+        with replayed_rng(self.rng), torch.enable_grad(), capture, self.context(iter(saved[self.n_inputs:])):
             self.fn(*values[:self.n_args], **dict(zip(self.names, values[self.n_args:])))
         if len(self.recomputed) != self.count:
             raise RuntimeError(f"a checkpointed segment saved {self.count} tensors in forward and "
@@ -172,13 +144,12 @@ class Checkpoint:
                                "both times (same branches and shapes; randomness only from torch's RNG)")
 
 
-def checkpoint(fn, *args, policy=None, **kwargs):
-    """fn(*args, **kwargs), keeping for backward only the tensors among args and kwargs (and, with a
-    policy, the outputs of the ops policy(op) keeps): torch.utils.checkpoint.checkpoint(...,
-    use_reentrant=False), or with context_fn=create_selective_checkpoint_contexts(ops) for a policy."""
+def checkpoint(fn, *args, context=None, **kwargs):
+    """fn(*args, **kwargs), keeping for backward only the tensors among args and kwargs (and what
+    `context` keeps, see Checkpoint): torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)  # no graph, nothing saved: nothing to recompute
-    return Checkpoint(fn, policy).forward(args, kwargs)
+    return Checkpoint(fn, context).forward(args, kwargs)
 
 
 def run_layers(layers, x):
@@ -187,7 +158,7 @@ def run_layers(layers, x):
     return x
 
 
-def checkpoint_sequential(model, segments: int, x, policy=None):
+def checkpoint_sequential(model, segments: int, x, context=None):
     """model(x) in `segments` pieces of len(model) // segments layers, each but the last checkpointed
     (the last takes the rest): torch.utils.checkpoint.checkpoint_sequential(..., use_reentrant=False)."""
     if not isinstance(model, (nn.Sequential, nn.ModuleList, list, tuple)):
@@ -198,14 +169,14 @@ def checkpoint_sequential(model, segments: int, x, policy=None):
         raise ValueError(f"segments must be a whole number from 1 to the {len(layers)} layers, got {segments!r}")
     size = len(layers) // segments
     for start in range(0, size * (segments - 1), size):
-        x = checkpoint(run_layers, layers[start:start + size], x, policy=policy)
+        x = checkpoint(run_layers, layers[start:start + size], x, context=context)
     return run_layers(layers[size * (segments - 1):], x)
 
 
-def checkpoint_module(module: nn.Module, policy=None) -> nn.Module:
+def checkpoint_module(module: nn.Module, context=None) -> nn.Module:
     """Checkpoint every call of `module`, in place: no wrapper, so parameter names stay (as with
     torch.distributed._composable.checkpoint); its hooks run once, outside the checkpoint."""
-    module.forward = functools.partial(checkpoint, module.forward, policy=policy)
+    module.forward = functools.partial(checkpoint, module.forward, context=context)
     return module
 
 
@@ -231,34 +202,62 @@ class TransformerLayer(nn.Module):
         return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
 
 
+def layer_bytes(b: int, s: int, h: int, a: int, e: int = 4) -> tuple[int, int]:
+    """(A, I): the bytes a TransformerLayer keeps for backward (with its norms' 4sb statistics), its input's."""
+    return e * (16 * s * b * h + 2 * a * s * s * b) + 2 * s * b * h + a * s * s * b + 4 * s * b * e, e * s * b * h
+
+
+def each_layer(ckpt):
+    """run(model, x) with every layer of the model checkpointed by ckpt(layer, x)."""
+    return lambda model, x: run_layers([functools.partial(ckpt, layer) for layer in model], x)
+
+
 def strategies(L: int, k: int, s: int, h: int) -> list:
-    """(name, ours, torch's, kept bytes after forward as a function of A and I, FLOPs over no checkpoint).
-    A recomputed layer adds its forward to F + 2F; selective recomputes only attention's two bmm, 4bs^2h
-    of a layer's 24bsh^2 + 4bs^2h forward FLOPs."""
+    """(name, ours, torch's, kept bytes after forward as a function of A and I, FLOPs over none): a
+    recomputed layer adds its forward to F + 2F."""
     from torch.utils import checkpoint as tc
-    each = lambda ckpt: lambda m, x: run_layers([functools.partial(ckpt, layer) for layer in m], x)  # noqa: E731
-    sac = functools.partial(tc.create_selective_checkpoint_contexts, MATMULS)
     n = L // k
     return [("none", lambda m, x: m(x), lambda m, x: m(x), lambda A, I: L * A, 1),
-            ("every layer", each(checkpoint), each(functools.partial(tc.checkpoint, use_reentrant=False)),
+            ("every layer", each_layer(checkpoint), each_layer(functools.partial(tc.checkpoint, use_reentrant=False)),
              lambda A, I: L * I, 4 / 3),
             (f"every {n} layers", lambda m, x: checkpoint_sequential(m, k, x),
              lambda m, x: tc.checkpoint_sequential(m, k, x, use_reentrant=False),
-             lambda A, I: (k - 1) * I + (L - (k - 1) * n) * A, 1 + (k - 1) * n / (3 * L)),
-            ("selective", each(functools.partial(checkpoint, policy=keep_matmuls)),
-             each(functools.partial(tc.checkpoint, use_reentrant=False, context_fn=sac)),
-             lambda A, I: 10 * L * I, 1 + s / (3 * (6 * h + s)))]  # input + qkv 3 + proj 1 + fc1 4 + fc2 1
+             lambda A, I: (k - 1) * I + (L - (k - 1) * n) * A, 1 + (k - 1) * n / (3 * L))]
 
 
-def measure_step(run, model, x, dy, seed: int) -> dict:
-    """mini_dist.measure.profile_step of run(model, x), with forward calls per layer and the gradients."""
+def measure_strategies(layers, segments, batch, seq, hidden, heads, dropout=0.1, seed=0, chosen=strategies) -> dict:
+    """name -> profile_step's figures for each of chosen(...)'s strategies (and forward runs per layer), with
+    its formulas and the largest |difference| of its gradients from none's and from torch's."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[TransformerLayer(hidden, heads, dropout) for _ in range(layers)]).to(launch.device())
+    x, dy = (torch.randn(batch, seq, hidden, device=launch.device()) for _ in range(2))  # x needs no gradient
     calls = []
-    hooks = [layer.register_forward_pre_hook(lambda *_: calls.append(1)) for layer in model]
-    model.zero_grad()
-    torch.manual_seed(seed)  # the same dropout masks for every strategy
-    step = profile_step(lambda: run(model, x), lambda out: out.backward(dy), exclude=model.parameters())
-    [hook.remove() for hook in hooks]
-    return dict(step, calls=len(calls) / len(model), grads=[p.grad.clone() for p in model.parameters()])
+    [layer.register_forward_pre_hook(lambda *_: calls.append(1)) for layer in model]
+
+    def measure(run) -> dict:
+        calls.clear(), model.zero_grad(), torch.manual_seed(seed)  # the same dropout masks for every strategy
+        step = profile_step(lambda: run(model, x), lambda out: out.backward(dy), exclude=model.parameters())
+        return dict(step, calls=len(calls) / layers, grads=[p.grad.clone() for p in model.parameters()])
+    rows, (A, I) = {}, layer_bytes(batch, seq, hidden, heads)
+    for name, ours, native, kept, more in chosen(layers, segments, seq, hidden):
+        rows[name] = got = measure(ours)
+        refs = [rows["none"]["grads"], measure(native)["grads"]]
+        diff = max((p - q).abs().max().item() for ref in refs for p, q in zip(got["grads"], ref))
+        got.update(kept=kept(A, I), more=more, ratio=got["flops"] / rows["none"]["flops"], diff=diff)
+    return rows
+
+
+def memory_and_compute(rows=None) -> tuple[str, bool]:
+    """Question 18, and the demo's table: per strategy, the bytes kept after forward and alive at backward's
+    peak, forward runs per layer and FLOPs over none, beside the formulas; holds when each equals its formula
+    and every gradient is bit-identical to none's and torch's. rows: measure_strategies(...), 4 layers, k=2."""
+    rows = rows or measure_strategies(layers=4, segments=2, batch=1, seq=16, hidden=16, heads=2)
+    same = {n: r["saved"] == r["kept"] and math.isclose(r["ratio"], r["more"], rel_tol=1e-12) for n, r in rows.items()}
+    return "bytes on this rank, kept after forward and alive at backward's peak; compute over none:\n" + ";\n".join(
+        f"  {n:<16} kept {r['saved']:>11,} B {'=' if same[n] else '!='} formula {r['kept']:>11,} B, peak "
+        f"{max(r['backward']):>11,} B, forward x{r['calls']:<4.3g} FLOPs x{r['ratio']:.3f} (formula "
+        f"x{r['more']:.3f}), gradients' max |diff| {r['diff']:.0e}" for n, r in rows.items()), \
+        all(same.values()) and all(r["diff"] == 0 for r in rows.values())
 
 
 def parser():
@@ -272,38 +271,24 @@ def parser():
 
 
 def demo(args) -> int:
-    L, k, b, s, h, a, e = args.layers, args.segments, args.batch, args.seq, args.hidden, args.heads, 4
-    k = k or max(1, round(math.sqrt(L)))
+    L, b, s, h, a = args.layers, args.batch, args.seq, args.hidden, args.heads
+    k = args.segments or max(1, round(math.sqrt(L)))
     for ok, message in [(min(L, b, s, h, a) >= 1, "--layers, --batch, --seq, --hidden and --heads must be >= 1"),
                         (1 <= k <= L, f"--segments must lie between 1 and --layers ({L}), got {k}"),
                         (a < 1 or h % a == 0, f"--heads ({a}) must divide --hidden ({h})"),
                         (0 <= args.dropout < 1, f"--dropout must lie in [0, 1), got {args.dropout}")]:
         launch.require(ok, message)
     env = launch.setup(seed=args.seed)
-    model = nn.Sequential(*[TransformerLayer(h, a, args.dropout) for _ in range(L)]).to(env.device)
-    x, dy = (torch.randn(b, s, h, device=env.device) for _ in range(2))  # data: x needs no gradient
-    A = e * (16 * s * b * h + 2 * a * s * s * b) + 2 * s * b * h + a * s * s * b + 4 * s * b * e  # + norms' stats
-    I = e * s * b * h
-    launch.print0(f"{L} layers b={b} s={s} h={h} a={a} fp32: each keeps A = e(16sbh + 2as^2b) + 2sbh + as^2b "
-                  f"+ 4sbe = {A:,} B; a layer's input is I = e*sbh = {I:,} B\n{'strategy':<16}"
-                  f"{'kept after forward':>19}{'formula':>18}{'backward peak':>15}{'forward calls':>15}"
-                  f"{'FLOPs':>8}{'formula':>9}")
-    rows, worst, figures_ok = {}, 0.0, True
-    for name, ours, native, kept, more in strategies(L, k, s, h):
-        rows[name] = got = measure_step(ours, model, x, dy, args.seed + env.rank)
-        for ref in (rows["none"], measure_step(native, model, x, dy, args.seed + env.rank)):
-            worst = max([worst] + [(p - q).abs().max().item() for p, q in zip(got["grads"], ref["grads"])])
-        flops = got["flops"] / rows["none"]["flops"]
-        figures_ok &= got["saved"] == kept(A, I) and math.isclose(flops, more, rel_tol=1e-12)
-        launch.print0(f"{name:<16}{got['saved']:>19,}{kept(A, I):>18,}{max(got['backward']):>15,}"
-                      f"{got['calls']:>14.3g}x{flops:>8.3f}{more:>9.3f}")
-    top = max(max(r["backward"]) for r in rows.values())
-    launch.print0(f"gradients vs none and vs torch.utils.checkpoint: max |diff| {worst:.1e}\n"
-                  "activation bytes alive during backward (time ->), one scale for all:")
-    for name, row in rows.items():
-        launch.print0(f"  {name:<16}|{bars(row['backward'], top)}| peak {max(row['backward']) / 2**20:.2f} MiB")
+    rows = measure_strategies(L, k, b, s, h, a, args.dropout, args.seed + env.rank)
+    (A, I), (figure, holds) = layer_bytes(b, s, h, a), memory_and_compute(rows)
+    top, worst = max(max(r["backward"]) for r in rows.values()), max(r["diff"] for r in rows.values())
+    launch.print0(f"{L} layers b={b} s={s} h={h} a={a} fp32: each keeps A = e(16sbh + 2as^2b) + 2sbh + as^2b + "
+                  f"4sbe = {A:,} B; a layer's input is I = e*sbh = {I:,} B\n{figure}\nactivation bytes alive "
+                  "during backward (time ->), one scale for all:\n" + "\n".join(
+                      f"  {n:<16}|{bars(r['backward'], top)}| peak {max(r['backward']) / 2**20:.2f} MiB"
+                      for n, r in rows.items()))
     return launch.conclude("activation_checkpoint", worst == 0, "gradients bit-identical to none and torch",
-                           figures_ok, f"kept bytes and FLOPs = formulas; k={k} keeps "
+                           holds, f"kept bytes and FLOPs = formulas; k={k} keeps "
                            f"{rows[f'every {L // k} layers']['saved'] / rows['none']['saved']:.0%} of none")
 
 

@@ -22,17 +22,13 @@ invisible to rank 0:
 
 The model is now half updated, and next iteration rank 0 backpropagates with S and rank 1 with S/2, so
 every gradient sum they share is wrong from then on. Naive: each rank decides alone (a group of one rank).
-Agreed: one all-reduce(MAX) of every rank's flag before the step makes the decision global (as FSDP's
-ShardedGradScaler does). The unscale itself is two passes (an inf/NaN check, then g * 1/S) where
-GradScaler's kernel fuses both: ./run.sh bench 4 mixed_precision times them. On CPU a foreach op is a loop
-of per-tensor ops, and a reduction per tensor costs about twice an addition (1.9 vs 1.1 us measured), so
-small gradients are added into one scratch and summed once: inf and NaN survive addition (all_finite).
+Agreed: one all-reduce(MAX) of every rank's flag before the step makes the decision global. The unscale is
+two passes (an inf/NaN check, then g * 1/S) where GradScaler's kernel fuses both.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/loss_scaling.py [--steps 48 --growth-interval 4]
 
 Mirrors torch.amp.GradScaler bit for bit (scale, skip decision, parameters), and for the cross-rank flag
-torch.distributed.fsdp.ShardedGradScaler. fp32 master weights, which fp16 training needs beside it:
-mini_dist/mixed_precision.py.
+torch.distributed.fsdp.ShardedGradScaler. The fp32 master weights fp16 needs: mini_dist/mixed_precision.py.
 """
 import math
 import sys
@@ -47,52 +43,12 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
 from mini_dist.kit import launch
 
 
-def to_float32(x: float) -> float:
-    """Round a Python float (a double) to the nearest float32: GradScaler keeps its scale in float32."""
-    return torch.tensor(x, dtype=torch.float32).item()
-
-
-FOLD = 1 << 16   # elements: gradients up to this size are added into one scratch for the check
-_FOLDED: dict = {}  # their shapes -> (a CPU scratch, a view of it per gradient): one entry, the last
-
-
-def all_finite(grads: list[torch.Tensor]) -> bool:
-    """No inf or NaN in any gradient, unless this says False on huge finite values (the caller looks again).
-
-    On CPU the small gradients are added, in order, into views of one scratch (a CPU foreach op is a plain
-    loop; a CUDA one runs its tensors at once, where aliased views would race), then summed once. The rest
-    get an L2 norm each, in one foreach call. Addition and squares can overflow on huge finite values."""
-    small, large = [], []
-    for g in grads:  # (g.is_cpu: g.device.type costs 0.2 us a tensor, a fifth of an addition)
-        (small if g.is_cpu and g.numel() <= FOLD and not g.is_complex() else large).append(g)
-    totals = list(torch._foreach_norm(large, 2)) if large else []
-    if small:
-        key = tuple(g.shape for g in small)  # the same every step: views made once
-        if key not in _FOLDED:
-            _FOLDED.clear()
-            scratch = torch.empty(max(g.numel() for g in small))
-            _FOLDED[key] = scratch, [scratch[:g.numel()].view(g.shape) for g in small]
-        scratch, views = _FOLDED[key]
-        scratch.zero_()
-        torch._foreach_add_(views, small)
-        totals.append(scratch.sum())
-    return not totals or bool(torch.stack(totals).isfinite().all())
-
-
 class DynamicLossScaler:
     """scale(loss).backward(); [unscale_(opt); clip]; step(opt); update() -- once per iteration."""
 
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
                  group=None):
-        for ok, fix in [(0 < init_scale < math.inf, f"init_scale must be positive and finite, got {init_scale}"),
-                        (growth_factor > 1, f"growth_factor must be > 1 (it raises the scale), got "
-                                            f"{growth_factor}"),
-                        (0 < backoff_factor < 1, f"backoff_factor must be in (0, 1) (it lowers the scale), got "
-                                                 f"{backoff_factor}"),
-                        (isinstance(growth_interval, int) and growth_interval >= 1, f"growth_interval must be an "
-                         f"int >= 1 (clean steps before growing), got {growth_interval!r}")]:
-            if not ok:
-                raise ValueError(fix)
+        check_hyper_parameters(init_scale, growth_factor, backoff_factor, growth_interval)
         self._scale = to_float32(init_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.group = growth_interval, group
@@ -104,43 +60,23 @@ class DynamicLossScaler:
         return self._scale
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        # A 0-dim float32 tensor, not a Python float: a 0-dim fp16 loss times it is promoted to fp32, as in
-        # GradScaler, so the scaled loss reads finite (fp16 * 65536 would read inf; the gradient is S anyway).
+        # a 0-dim fp32 tensor, as GradScaler's: an fp16 loss times it is promoted to fp32, so it reads finite
         return loss * torch.full((), self._scale, dtype=torch.float32, device=loss.device)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients by the scale and agree with every rank of the group on inf/NaN."""
         if id(optimizer) in self._found_inf:
             raise RuntimeError("unscale_() was already called on this optimizer since the last update()")
-        # one pass over the parameters, each .grad read once: per parameter, Python time adds up
         grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None
-                 and g.numel()]
+                 and g.numel()]  # each .grad read once: per parameter, Python time adds up
         device = grads[0].device if grads else optimizer.param_groups[0]["params"][0].device
-        K, me = (dist.get_world_size(self.group), dist.get_rank(self.group)) if dist.is_initialized() else (1, 0)
-        fp16 = torch.float16 in {g.dtype for g in grads}
-        # One number per rank, reduced with MAX: 1 if inf/NaN, 2 if fp16 gradients (an error, named below).
-        # inf/NaN is checked before dividing, as GradScaler flags the scaled values; a quick "no" is looked
-        # at again, exactly, tensor by tensor (overflow steps are the rare ones).
-        finite = all_finite(grads) or all(bool(g.isfinite().all()) for g in grads)
-        status = torch.full((1,), 2.0 * fp16 + (not finite), device=device)
-        if K > 1:  # every rank learns the same before acting: a bad input makes all of them raise
-            dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.group)
-        if status >= 2:  # every rank is here: one more all-reduce, of a slot per rank, names them
-            slots = torch.zeros(K, device=device)
-            slots[me] = float(fp16)
-            if K > 1:
-                dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=self.group)
-            half = slots.nonzero().flatten().tolist()
-            if dist.is_initialized():
-                half = [dist.get_global_rank(self.group or dist.group.WORLD, r) for r in half]
-            raise ValueError(f"unscale_: fp16 gradients on rank{'s' * (len(half) > 1)} "
-                             f"{', '.join(map(str, half))}; S*g/S in fp16 underflows again. Keep fp32 master "
-                             f"weights (MasterWeights) and step those.")
+        # inf/NaN is checked before dividing, as GradScaler flags the scaled values
+        found_inf = agree_on_overflow(grads, device, self.group)
         # The reciprocal in fp64 rounded to fp32, as GradScaler does (fast-math fp32 division can be off).
         inv_scale = torch.tensor(1.0 / self._scale, dtype=torch.float32, device=device)
         with torch.no_grad():
             torch._foreach_mul_(grads, inv_scale)
-        self._found_inf[id(optimizer)] = status[0]  # 0 or 1
+        self._found_inf[id(optimizer)] = found_inf
 
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
         """optimizer.step(), unless some rank found inf/NaN: then every rank skips it."""
@@ -149,16 +85,14 @@ class DynamicLossScaler:
         if id(optimizer) not in self._found_inf:
             self.unscale_(optimizer)
         self._stepped.add(id(optimizer))
-        if self._found_inf[id(optimizer)].item() == 0:  # the one host sync: Python decides the branch
-            return optimizer.step(*args, **kwargs)
-        return None
+        skip = self._found_inf[id(optimizer)].item()  # the one host sync: Python decides the branch
+        return None if skip else optimizer.step(*args, **kwargs)
 
     def update(self) -> None:
-        """Back off after an overflow (any optimizer's), grow after growth_interval clean iterations."""
-        if not self._found_inf:
-            raise RuntimeError("update() needs unscale_() or step() first in this iteration")
-        overflow = any(flag.item() for flag in self._found_inf.values())
-        # Products in fp64 rounded to fp32, exactly as torch._amp_update_scale_ computes them.
+        """Back off after an overflow (any optimizer's), grow after growth_interval clean iterations. Each
+        new scale is the product in fp64 rounded to fp32 (to_float32), as torch._amp_update_scale_ makes it."""
+        overflow = self.end_iteration()
+        # exercise: overflow: S *= backoff, tracker = 0; else at the growth_interval-th clean step S *= growth
         if overflow:
             self._scale = to_float32(self._scale * self.backoff_factor)
             self._growth_tracker = 0
@@ -169,8 +103,15 @@ class DynamicLossScaler:
                 if math.isfinite(grown):  # never grow past fp32's max into inf
                     self._scale = grown
                 self._growth_tracker = 0
-        self._found_inf.clear()
-        self._stepped.clear()
+        # end exercise
+
+    def end_iteration(self) -> bool:
+        """Whether any optimizer's gradients overflowed this iteration; forgets the iteration."""
+        if not self._found_inf:
+            raise RuntimeError("update() needs unscale_() or step() first in this iteration")
+        overflow = any(flag.item() for flag in self._found_inf.values())
+        self._found_inf, self._stepped = {}, set()
+        return overflow
 
     def state_dict(self) -> dict:  # GradScaler's keys, so either can load the other's checkpoint
         return {"scale": self._scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
@@ -180,6 +121,98 @@ class DynamicLossScaler:
         self._scale = to_float32(state["scale"])
         self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
         self.growth_interval, self._growth_tracker = state["growth_interval"], state["_growth_tracker"]
+
+
+def check_hyper_parameters(init_scale, growth_factor, backoff_factor, growth_interval) -> None:
+    for ok, fix in [(0 < init_scale < math.inf, f"init_scale must be positive and finite, got {init_scale}"),
+                    (growth_factor > 1, f"growth_factor must be > 1 (it raises the scale), got {growth_factor}"),
+                    (0 < backoff_factor < 1, f"backoff_factor must be in (0, 1) (it lowers it), got {backoff_factor}"),
+                    (isinstance(growth_interval, int) and growth_interval >= 1,
+                     f"growth_interval must be an int >= 1 (clean steps before growing), got {growth_interval!r}")]:
+        if not ok:
+            raise ValueError(fix)
+
+
+def to_float32(x: float) -> float:
+    """Round a Python float (a double) to the nearest float32: GradScaler keeps its scale in float32."""
+    return torch.tensor(x, dtype=torch.float32).item()  # cpu: a number's rounding, read back at once
+
+
+# ----- every rank agrees on the overflow, and fp16 gradients are named -----
+
+def agree_on_overflow(grads: list[torch.Tensor], device, group=None) -> torch.Tensor:
+    """A 0-dim tensor, 1 if any rank of the group has an inf/NaN gradient, else 0: the same on every rank.
+
+    One number per rank goes into one all-reduce(MAX): 1 for inf/NaN, 2 for fp16 gradients, an error every
+    rank then raises together (no rank is left waiting in a collective), naming the ranks that hold them."""
+    K, me = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
+    fp16 = torch.float16 in {g.dtype for g in grads}
+    finite = all_finite(grads) or all(bool(g.isfinite().all()) for g in grads)  # a quick "no" is looked at again
+    status = torch.full((1,), 2.0 * fp16 + (not finite), device=device)
+    if K > 1:
+        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
+    if status >= 2:  # every rank is here: one more all-reduce, of a slot per rank, names them
+        slots = torch.zeros(K, device=device)
+        slots[me] = float(fp16)
+        if K > 1:
+            dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=group)
+        half = slots.nonzero().flatten().tolist()
+        if dist.is_initialized():
+            half = [dist.get_global_rank(group or dist.group.WORLD, r) for r in half]
+        raise ValueError(f"unscale_: fp16 gradients on rank{'s' * (len(half) > 1)} "
+                         f"{', '.join(map(str, half))}; S*g/S in fp16 underflows again. Keep fp32 master "
+                         f"weights (MasterWeights) and step those.")
+    return status[0]
+
+
+# ----- the fast inf/NaN check -----
+
+FOLD = 1 << 16   # elements: gradients up to this size are added into one scratch for the check
+_FOLDED: dict = {}  # their shapes -> (a CPU scratch, a view of it per gradient): one entry, the last
+
+
+def all_finite(grads: list[torch.Tensor]) -> bool:
+    """No inf or NaN in any gradient, unless this says False on huge finite values (the caller looks again).
+
+    inf and NaN survive addition, so the small CPU gradients are added, in order, into views of one scratch,
+    summed once (a CPU foreach op is a plain loop, and a reduction per tensor costs more than an addition; a
+    CUDA one runs its tensors at once, where aliased views would race). The rest get an L2 norm each, in one
+    foreach call. Addition and squares can overflow on huge finite values."""
+    small, large = [], []
+    for g in grads:
+        (small if g.is_cpu and g.numel() <= FOLD and not g.is_complex() else large).append(g)
+    totals = list(torch._foreach_norm(large, 2)) if large else []
+    if small:
+        key = tuple(g.shape for g in small)  # the same every step: views made once
+        if key not in _FOLDED:
+            _FOLDED.clear()
+            scratch = torch.empty(max(g.numel() for g in small))  # cpu: only CPU gradients are folded
+            _FOLDED[key] = scratch, [scratch[:g.numel()].view(g.shape) for g in small]
+        scratch, views = _FOLDED[key]
+        scratch.zero_()
+        torch._foreach_add_(views, small)
+        totals.append(scratch.sum())
+    return not totals or bool(torch.stack(totals).isfinite().all())
+
+
+# ----- demo: one rank's overflow skips the step on every rank, as one GradScaler over all shards would -----
+
+def overflow_or_underflow() -> tuple[str, bool]:
+    """Question 19: fp16's NaN (overflow), its silent 0 (underflow), both fixed by loss scaling or bf16's range,
+    and the scaler skipping the step of an inf gradient and halving S (on every rank of the default group)."""
+    t = lambda v, dtype=torch.float16: torch.tensor(v, dtype=dtype, device=launch.device())  # noqa: E731
+    nan, zero, bf = t(300) * t(300) - t(300) * t(300), t(1e-4) * t(1e-4), t(1e-4, torch.bfloat16)
+    rescued, wide = (t(1e-4) * t(1e-4 * 2**16)).float() / 2**16, (bf * bf).float()
+    weight, scaler = t([1.0, 1.0], torch.float32).requires_grad_(), DynamicLossScaler(init_scale=2.0**16)
+    weight.grad = t([math.inf, 1.0], torch.float32)
+    scaler.step(torch.optim.SGD([weight], lr=1.0))
+    scaler.update()
+    skipped, S = bool((weight == 1).all()), scaler.get_scale()
+    return (f"fp16: 300*300 - 300*300 = {nan.item()} (90000 > 65504 rounds to inf, inf - inf = NaN); 1e-4*1e-4 = "
+            f"{zero.item():g} (underflow: silent); scaled by 2^16 and unscaled in fp32: {rescued.item():.3g}; bf16 "
+            f"with no scaling: {wide.item():.3g}; an inf gradient: step skipped ({skipped}), S 65536 -> {S:g}"), \
+        bool(nan.isnan()) and zero.item() == 0 and skipped and S == 2.0**15 and all(
+            math.isclose(v.item(), 1e-8, rel_tol=0.01) for v in (rescued, wide))
 
 
 LOUD = 3.0  # |output gradient| / S on the last rank: it overflows fp16 first, once S * LOUD > 65504
@@ -234,7 +267,6 @@ def demo(args) -> int:
                    f"2^{edge} up the loudest gradient overflows fp16 at once")
     env = launch.setup()
     rank, world, dev, say = env.rank, env.world_size, env.device, launch.print0
-
     # Each rank owns a shard of the model (as under ZeRO/FSDP): only the last rank's shard overflows.
     steps, interval, init = args.steps, args.growth_interval, 2.0 ** args.init_exponent
     data = shard_data(rank, world, steps, dev)
@@ -249,19 +281,19 @@ def demo(args) -> int:
     everyone = [None] * world  # per rank: ([agreed skips, naive skips], bit-identical to GradScaler?)
     dist.all_gather_object(everyone, (skips, trace == ref and torch.equal(mine, shards[rank])))
     check_ok = all(s[0] == skips[0] and same for s, same in everyone)
-    say(f"scale trajectory, {world} ranks, overflow only on rank {world - 1} ('x' = skipped by every rank):")
-    say(plot(trace))
-    say(f"= one GradScaler over all {world} shards (scales, skipped steps, parameters bit-identical): "
-        f"{check_ok}\nwithout agreeing across ranks, steps skipped per rank: "
-        f"{' | '.join(str(s[1]) for s, _ in everyone)}")
+    say(f"scale S per step, {world} ranks, overflow only on rank {world - 1} ('x' = skipped by every rank):\n"
+        f"{plot(trace)}\n= one GradScaler over all {world} shards (scales, skipped steps, parameters bit-identical): "
+        f"{check_ok}\nwithout agreeing across ranks, steps skipped: "
+        f"{' | '.join(f'rank {r}: {s[1]}' for r, (s, _) in enumerate(everyone))}")
     # Lifecycle: S doubles every I clean steps until S * LOUD > 65504, then one skip every I+1 steps.
     first = interval * (edge - args.init_exponent)
     predicted = 0 if steps <= first else 1 + (steps - 1 - first) // (interval + 1)
     figure_ok = len(skips[0]) == predicted and skips[0][:1] == [first][:predicted]
-    say(f"skipped {len(skips[0])} of {steps}; lifecycle predicts: first overflow at S=2^{edge}, step "
-        f"I*log2(2^{edge}/S0) = {first}, then 1 per I+1 = {interval + 1} steps: {predicted}")
+    fp16, holds = overflow_or_underflow()
+    say(f"skipped {len(skips[0])} of {steps} steps; lifecycle predicts: first overflow at S=2^{edge}, step "
+        f"I*log2(2^{edge}/S0) = {first}, then 1 per I+1 = {interval + 1} steps: {predicted}\n{fp16}")
     return launch.conclude("loss_scaling", check_ok, f"= GradScaler bit-exact, {steps} steps, skips agreed",
-                           figure_ok, f"skips {len(skips[0])} = lifecycle {predicted}")
+                           figure_ok and holds, f"skips {len(skips[0])} = lifecycle {predicted}; fp16 failures shown")
 
 
 if __name__ == "__main__":

@@ -41,8 +41,6 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
 from mini_dist.kit import launch
 from mini_dist.loss_scaling import DynamicLossScaler
 
-FORMATS = [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]
-
 
 class MasterWeights:
     """fp32 copies of a half model's parameters: give `.params` to the optimizer.
@@ -70,7 +68,7 @@ class MasterWeights:
 
 def regression_problem(seed: int = 0, n: int = 32, d: int = 8):
     """Least squares whose weights sit in [1, 2), where fp16's spacing is 2^-10 (bf16's 2^-7)."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # cpu: the same numbers for every device; the callers move them
     X = torch.randn(n, d, generator=g)
     w0 = 1 + torch.rand(d, generator=g)
     y = X @ (w0 + 0.05 * torch.randn(d, generator=g))
@@ -111,13 +109,32 @@ def update_to_spacing(dtype, lr: float = 2e-3, seed: int = 0) -> float:
     return (lr * w.grad.float().abs() / (spacing.float() / 2)).max().item()
 
 
+def master_weights_vs_half(steps: int = 200, lr: float = 2e-3) -> tuple[str, bool]:
+    """Question 20, and the demo's regression: SGD in fp32, and in fp16 and bf16 with and without fp32 master
+    weights. Holds when each half run without them stalls exactly where its update is under half the spacing
+    (update_to_spacing < 1), and fp16 with master weights ends no farther from fp32 than it started."""
+    runs = {name: train_regression(dtype, master, steps, lr)[0] for name, dtype, master in [
+        ("fp32", torch.float32, False), ("fp16+master", torch.float16, True), ("fp16", torch.float16, False),
+        ("bf16+master", torch.bfloat16, True), ("bf16", torch.bfloat16, False)]}
+    ratio = {name: update_to_spacing(dtype, lr) for name, dtype in [("fp16", torch.float16), ("bf16", torch.bfloat16)]}
+    f32, m16 = runs["fp32"], runs["fp16+master"]
+    holds = abs(m16[-1] - f32[-1]) <= abs(m16[0] - f32[0]) and all(
+        (runs[name][-1] == runs[name][0]) == (r < 1) for name, r in ratio.items())
+    return (f"least squares, weights in [1, 2), SGD lr {lr:g}: max |lr*g| / (spacing(w)/2) at the start is fp16 "
+            f"{ratio['fp16']:.2f}, bf16 {ratio['bf16']:.2f} (< 1: the update rounds away); loss over {steps} steps: "
+            + ", ".join(f"{n} {v[0]:.5f} -> {v[-1]:.5f}" for n, v in runs.items())), holds
+
+
 # ----- demo -----
+
+FORMATS = [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]
+
 
 def bits(x: float, dtype: torch.dtype) -> str:
     """sign|exponent|mantissa of x stored in dtype."""
     info = torch.finfo(dtype)
     expo = info.bits - 1 - round(-math.log2(info.eps))  # the rest of the bits are the mantissa
-    word = torch.tensor([x], dtype=dtype).view({16: torch.int16, 32: torch.int32}[info.bits]).item()
+    word = torch.tensor([x], dtype=dtype).view({16: torch.int16, 32: torch.int32}[info.bits]).item()  # cpu: read back
     s = format(word & ((1 << info.bits) - 1), f"0{info.bits}b")  # two's complement -> raw bits
     return f"{s[0]}|{s[1:1 + expo]}|{s[1 + expo:]}"
 
@@ -142,30 +159,18 @@ def demo(args) -> int:
             ("overflow  300*300 - 300*300", lambda t: t(300) * t(300) - t(300) * t(300), "lower S, or bf16"),
             ("underflow 1e-4 * 1e-4      ", lambda t: t(1e-4) * t(1e-4), "loss scaling, or bf16"),
             ("spacing   1 + 1e-4         ", lambda t: t(1) + t(1e-4), "fp32 master weights")]:
-        say(f"{what}: " + "".join(f"{name} {f(lambda v: torch.tensor(v, dtype=dt)).item():<12.6g}"
+        say(f"{what}: " + "".join(f"{name} {f(lambda v: torch.tensor(v, dtype=dt, device=env.device)).item():<12.6g}"
                                   for name, dt in FORMATS) + f"fix: {fix}")
-    rescued = (torch.tensor(1e-4, dtype=torch.float16) * (1e-4 * 2**16)).float() / 2**16
-    say(f"loss scaling at work: 1e-4 * (1e-4 * 2^16) in fp16, / 2^16 in fp32 = {rescued.item():.4g}")
-
-    runs = {name: train_regression(dt, m, args.steps, args.lr) for name, dt, m in [
-        ("fp32", torch.float32, False), ("fp16+master", torch.float16, True), ("fp16", torch.float16, False),
-        ("bf16+master", torch.bfloat16, True), ("bf16", torch.bfloat16, False)]}
-    same = True  # the master-weight runs again, with torch.amp.GradScaler as the loss scaler
+    figure, follows = master_weights_vs_half(args.steps, args.lr)
+    same = True  # the master-weight runs with our scaler, then with torch.amp.GradScaler as the loss scaler
     for name, dt in FORMATS[1:]:
-        losses, w = train_regression(dt, True, args.steps, args.lr,
-                                     scaler=torch.amp.GradScaler(env.device.type, init_scale=2.0**10))
-        same &= losses == runs[f"{name}+master"][0] and torch.equal(w, runs[f"{name}+master"][1])
-    ratio = {name: update_to_spacing(dt, args.lr) for name, dt in FORMATS[1:]}
-    say(f"SGD lr={args.lr:g}, {args.steps} steps; max |lr*g| / (spacing(w)/2): fp16 {ratio['fp16']:.2f}, "
-        f"bf16 {ratio['bf16']:.2f} (< 1: the update rounds away). fp32 loss, start -> end:")
-    say("   ".join(f"{k} {v[0][0]:.4f}->{v[0][-1]:.5f}" for k, v in runs.items()))
-    say(f"master weights with torch.amp.GradScaler instead of DynamicLossScaler: bit-identical: {same}")
-    (f32, _), (m16, _), (n16, _) = runs["fp32"], runs["fp16+master"], runs["fp16"]
-    follows = abs(m16[-1] - f32[-1]) <= abs(m16[0] - f32[0]) and (n16[-1] == n16[0]) == (ratio["fp16"] < 1)
+        ours = train_regression(dt, True, args.steps, args.lr)
+        native = train_regression(dt, True, args.steps, args.lr,
+                                  scaler=torch.amp.GradScaler(env.device.type, init_scale=2.0**10))
+        same &= ours[0] == native[0] and torch.equal(ours[1], native[1])
+    say(f"{figure}\nmaster weights with torch.amp.GradScaler instead of DynamicLossScaler: bit-identical: {same}")
     return launch.conclude("mixed_precision", same, "master weights + our scaler = + GradScaler, bit-exact",
-                           follows, f"fp16+master {m16[-1]:.5f} ~ fp32 {f32[-1]:.5f}; fp16 alone "
-                           f"{'stalled' if n16[-1] == n16[0] else 'moved'} at |lr*g|/(spacing/2) = "
-                           f"{ratio['fp16']:.2f}")
+                           follows, "fp16+master follows fp32; fp16 and bf16 alone stall where |lr*g| < spacing/2")
 
 
 if __name__ == "__main__":

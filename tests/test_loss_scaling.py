@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 import harness
 from harness import RankFailure, device, rank_generator, run, subgroup
 from mini_dist import loss_scaling
-from mini_dist.loss_scaling import DynamicLossScaler
 from mini_dist.mixed_precision import MasterWeights
 
 KINDS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
@@ -75,7 +74,7 @@ def check_against_grad_scaler(dev, seed, init_scale, growth, backoff, interval, 
     W, b = torch.randn(3, 5, generator=g), torch.randn(3, generator=g)
     hyper = dict(init_scale=init_scale, growth_factor=growth, backoff_factor=backoff,
                  growth_interval=interval)
-    mine = Pipeline(DynamicLossScaler(**hyper), dev, W, b, adam, master, half_loss)
+    mine = Pipeline(loss_scaling.DynamicLossScaler(**hyper), dev, W, b, adam, master, half_loss)
     ref = Pipeline(torch.amp.GradScaler(dev.type, **hyper), dev, W, b, adam, master, half_loss)
     w_skipped = []
     for t in range(steps):
@@ -86,17 +85,19 @@ def check_against_grad_scaler(dev, seed, init_scale, growth, backoff, interval, 
         mine.iteration(x.to(dev), c.to(dev))
         ref.iteration(x.to(dev), c.to(dev))
         (state, calls, W1, b1, s1), (ref_state, ref_calls, W2, b2, s2) = mine.observed(), ref.observed()
-        torch.testing.assert_close(s1, s2, rtol=0, atol=0, equal_nan=True)  # exact, dtype included
+        same = s1.dtype == s2.dtype and (torch.equal(s1, s2) or bool(s1.isnan() and s2.isnan()))  # exact
+        assert same, f"step {t}: scaled loss {s1.item()} ({s1.dtype}) != GradScaler's {s2.item()} ({s2.dtype})"
         assert state == ref_state, f"step {t}: scale/tracker {state} != GradScaler {ref_state}"
         assert calls == ref_calls, f"step {t}: optimizer steps {calls} != GradScaler {ref_calls}"
         assert torch.equal(W1, W2) and torch.equal(b1, b2), f"step {t}: parameters differ"
         if len(mine.calls[0]) == before:
             w_skipped.append(t)
         if t == reload_at:  # each side continues from the other's checkpoint
-            mine.scaler, ref.scaler = DynamicLossScaler(), torch.amp.GradScaler(dev.type)
+            mine.scaler, ref.scaler = loss_scaling.DynamicLossScaler(), torch.amp.GradScaler(dev.type)
             mine.scaler.load_state_dict(ref_state)
             ref.scaler.load_state_dict(state)
-    assert {t for t in injected if t < steps} <= set(w_skipped), "an injected inf/NaN step was not skipped"
+    missed = sorted({t for t in injected if t < steps} - set(w_skipped))
+    assert not missed, f"steps {missed}: an injected inf/NaN did not skip the step"
 
 
 grad_scaler_cases = given(
@@ -111,6 +112,7 @@ grad_scaler_cases = given(
     adam=st.booleans(), master=st.booleans(), half_loss=st.booleans(), reload_at=st.integers(-1, 13))
 
 
+@pytest.mark.exercise
 @grad_scaler_cases
 @example(seed=1, init_scale=2.0**16, growth=2.0, backoff=0.5, interval=2, steps=12,
          injected={3: "nan", 4: "inf"}, loud=1e3, adam=False, master=False, half_loss=False,
@@ -129,6 +131,35 @@ def test_scaler_equals_grad_scaler_bit_for_bit_with_injected_and_natural_overflo
 @grad_scaler_cases
 def test_scaler_equals_cuda_grad_scaler_bit_for_bit_under_cuda_fp16_autocast(**case):
     check_against_grad_scaler(torch.device("cuda"), **case)
+
+
+@pytest.mark.exercise
+@pytest.mark.single_process
+@given(init_scale=st.sampled_from([2.0**16, 2.0**127]) | st.floats(1.0, 2.0**24),
+       growth=st.sampled_from([2.0]) | st.floats(1.01, 8.0), backoff=st.sampled_from([0.5]) | st.floats(0.01, 0.99),
+       interval=st.integers(1, 4), overflows=st.lists(st.booleans(), min_size=1, max_size=20))
+def test_update_backs_off_on_overflow_and_grows_after_the_interval_exactly_as_torchs_update_scale(
+        init_scale, growth, backoff, interval, overflows):
+    """DynamicLossScaler.update against torch._amp_update_scale_ (GradScaler's update) on the same overflow
+    flags: after every step the same fp32 scale and the same count of clean steps."""
+    scaler = loss_scaling.DynamicLossScaler(init_scale, growth, backoff, interval)
+    scale = torch.full((1,), init_scale, dtype=torch.float32, device=device())
+    tracker = torch.zeros(1, dtype=torch.int32, device=device())
+    p = torch.zeros(1, device=device(), requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.0)
+    for t, overflow in enumerate(overflows):
+        p.grad = torch.full((1,), math.inf if overflow else 1.0, device=device())
+        scaler.step(opt)
+        scaler.update()
+        found_inf = torch.full((1,), float(overflow), device=device())
+        torch._amp_update_scale_(scale, tracker, found_inf, growth, backoff, interval)
+        got, want = (scaler.get_scale(), scaler.state_dict()["_growth_tracker"]), (scale.item(), tracker.item())
+        assert got == want, f"step {t} (overflow {overflow}): (scale, clean steps) {got} != torch's {want}"
+
+
+def test_the_fp16_failures_and_the_skipped_step_are_shown_and_hold():
+    figure, holds = loss_scaling.overflow_or_underflow()
+    assert holds and "= nan" in figure and "S 65536 -> 32768" in figure, figure
 
 
 # ----- across ranks -----
@@ -167,7 +198,7 @@ def sharded_run(seed, steps, injected, hyper, members, loud=30.0, alone=False):
             trace.append((scaler.get_scale(), len(calls) == before))
         return trace, [W.detach().cpu() for W in shards]
 
-    mine, (mine_shard,) = train(DynamicLossScaler(**hyper, group=group), [own])
+    mine, (mine_shard,) = train(loss_scaling.DynamicLossScaler(**hyper, group=group), [own])
     ref, ref_shards = train(torch.amp.GradScaler(dev.type, **hyper), everyone)
     return mine, ref, torch.equal(mine_shard, ref_shards[members.index(rank)])
 
@@ -216,7 +247,7 @@ def fp16_grads_on(bad_ranks, members):
     dtype = torch.float16 if dist.get_rank() in bad_ranks else torch.float32
     p = torch.zeros(3, device=device(), dtype=dtype, requires_grad=True)
     p.grad = torch.ones_like(p)
-    DynamicLossScaler(group=group).unscale_(torch.optim.SGD([p], lr=1.0))
+    loss_scaling.DynamicLossScaler(group=group).unscale_(torch.optim.SGD([p], lr=1.0))
 
 
 @pytest.mark.parametrize("world,members,bad,named", [
@@ -236,15 +267,15 @@ def test_fp16_gradients_make_every_rank_raise_the_same_error_naming_the_ranks_th
 def huge_gradients(poison):
     """fp32 gradients of 1e30: finite, but their squares overflow fp32, so an L2 norm of them is inf."""
     runs = []
-    for scaler in (DynamicLossScaler(1.0), torch.amp.GradScaler("cpu", 1.0)):
-        params = [torch.zeros(4, requires_grad=True) for _ in range(3)]
+    for scaler in (loss_scaling.DynamicLossScaler(1.0), torch.amp.GradScaler(device().type, 1.0)):
+        params = [torch.zeros(4, device=device(), requires_grad=True) for _ in range(3)]
         for i, p in enumerate(params):
-            p.grad = torch.full((4,), 1e30 * (i + 1))
+            p.grad = torch.full((4,), 1e30 * (i + 1), device=device())
         if poison is not None:
             params[1].grad[2] = KINDS[poison]
         opt = torch.optim.SGD(params, lr=1e-31)
         calls = count_steps(opt)
-        scaler.scale(torch.ones(()))
+        scaler.scale(torch.ones((), device=device()))
         scaler.step(opt)
         scaler.update()
         runs.append((len(calls), scaler.get_scale(), [p.detach().clone() for p in params]))
@@ -270,7 +301,7 @@ SIZES = [(), (0,), (3,), (2, 5), (4, 300), (loss_scaling.FOLD,), (loss_scaling.F
 @example(shapes=[(2, 5), (4, 300)], dtype=torch.float32, poison="nan", where=10**6, magnitude=1.0, seed=0)
 def test_the_quick_inf_check_never_calls_a_non_finite_step_finite_and_forgets_the_last_step(
         shapes, dtype, poison, where, magnitude, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # cpu: the check folds CPU gradients (and norms the rest)
     grads = [(magnitude * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype) for shape in shapes]
     exact = lambda: all(bool(x.isfinite().all()) for x in grads)  # noqa: E731
     sizes = [x.numel() for x in grads]
@@ -298,12 +329,12 @@ def test_the_quick_inf_check_never_calls_a_non_finite_step_finite_and_forgets_th
                                       (dict(init_scale=math.inf), "init_scale must be positive")])
 def test_bad_hyper_parameters_are_rejected_with_what_to_change(bad, fix):
     with pytest.raises(ValueError, match=fix):
-        DynamicLossScaler(**bad)
+        loss_scaling.DynamicLossScaler(**bad)
 
 
 def test_lifecycle_misuse_is_rejected():
-    p = torch.zeros(2, requires_grad=True)
-    opt, scaler = torch.optim.SGD([p], lr=1.0), DynamicLossScaler()
+    p = torch.zeros(2, device=device(), requires_grad=True)
+    opt, scaler = torch.optim.SGD([p], lr=1.0), loss_scaling.DynamicLossScaler()
     with pytest.raises(RuntimeError, match="needs unscale_"):
         scaler.update()
     scaler.scale(p.sum()).backward()

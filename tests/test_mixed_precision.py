@@ -6,7 +6,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mini_dist.mixed_precision import bits, regression_problem, train_regression, update_to_spacing
+from harness import device
+
+from mini_dist.mixed_precision import (bits, master_weights_vs_half, regression_problem, train_regression,
+                                       update_to_spacing)
 
 
 def decode(text: str) -> float:
@@ -31,7 +34,7 @@ def test_bit_layout_decodes_to_the_stored_value(dtype, x):
 def test_fp16_master_weights_follow_fp32_where_fp16_alone_stalls():
     # Precondition that makes the stall exact, not statistical: every update is below half the spacing.
     assert update_to_spacing(torch.float16) < 1
-    X, y, w0 = regression_problem()
+    w0 = regression_problem()[2].to(device())
     fp32, _ = train_regression(torch.float32, master=False)
     master, _ = train_regression(torch.float16, master=True)
     alone, w_alone = train_regression(torch.float16, master=False)
@@ -46,6 +49,15 @@ def test_fp16_master_weights_follow_fp32_where_fp16_alone_stalls():
 def test_master_weights_with_our_scaler_equal_master_weights_with_grad_scaler_bit_for_bit(dtype):
     ours = train_regression(dtype, master=True, steps=60, lr=2e-2)
     native = train_regression(dtype, master=True, steps=60, lr=2e-2,
-                              scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+                              scaler=torch.amp.GradScaler(device().type, init_scale=2.0**10))
     assert ours[0] == native[0] and torch.equal(ours[1], native[1])
     assert ours[0][-1] < ours[0][0] / 2  # it trained: a scaler that skipped every step would tie too
+
+
+@pytest.mark.parametrize("lr", [2e-3, 5e-2])
+def test_half_weights_alone_stall_exactly_where_the_update_is_under_half_the_spacing(lr):
+    """Question 20's figure: at lr 2e-3 both half runs stall (fp16 0.91, bf16 0.11 of half the spacing); at
+    5e-2 every update lands, and the figure still holds because it predicts which."""
+    figure, holds = master_weights_vs_half(steps=50, lr=lr)
+    assert holds, figure
+    assert ("fp16 0.91" in figure) == (lr == 2e-3), figure

@@ -18,9 +18,9 @@ from torch import nn
 from torch.utils import checkpoint as tc
 
 from mini_dist import bench
-from mini_dist.activation_checkpoint import (MATMULS, TransformerLayer, checkpoint, checkpoint_sequential,
-                                             keep_matmuls, run_layers)
+from mini_dist.activation_checkpoint import TransformerLayer, checkpoint, checkpoint_sequential, run_layers
 from mini_dist.kit.launch import device
+from mini_dist.selective_checkpoint import MATMULS, selective_checkpoint
 
 
 def stack(args, layers=8, b=2, s=64, h=128, heads=4, repeats=15) -> list[bench.Result]:
@@ -33,7 +33,7 @@ def stack(args, layers=8, b=2, s=64, h=128, heads=4, repeats=15) -> list[bench.R
     sides = [("every layer", each(checkpoint), each(functools.partial(tc.checkpoint, use_reentrant=False)), 1.1),
              (f"checkpoint_sequential k={k}", lambda: checkpoint_sequential(model, k, x),
               lambda: tc.checkpoint_sequential(model, k, x, use_reentrant=False), 1.1),
-             ("selective (matmuls kept)", each(functools.partial(checkpoint, policy=keep_matmuls)),
+             ("selective (matmuls kept)", each(selective_checkpoint),
               each(functools.partial(tc.checkpoint, use_reentrant=False, context_fn=sac)), 1.2),
              ("every layer vs none", each(checkpoint), lambda: model(x), None)]
     note = f"L={layers} b={b} s={s} h={h} a={heads} fp32"

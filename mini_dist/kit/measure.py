@@ -13,18 +13,22 @@ step runs, so it is a lower bound that catches anything alive for longer than th
 
 Demo (an L-layer Linear + Tanh stack: saved bytes beside their formula, activations alive during backward):
 
-    torchrun --standalone --nproc_per_node=1 mini_dist/measure.py [--layers 8 --width 256 --batch 32]
+    torchrun --standalone --nproc_per_node=1 mini_dist/kit/measure.py [--layers 8 --width 256 --batch 32]
 """
 import ctypes
-import os
 import sys
 import threading
 import time
 import weakref
+from pathlib import Path
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if not __package__:  # run as `torchrun mini_dist/kit/measure.py`: Python put mini_dist/kit/ on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from mini_dist.kit import launch
 
 
 class SavedTensors:
@@ -199,7 +203,6 @@ def peak_bytes(step, device) -> int:
 # ----- demo: what an MLP keeps for backward, measured, beside what it should keep -----
 
 def parser():
-    from mini_dist.kit import launch
     p = launch.demo_parser(__doc__)
     p.add_argument("--layers", type=int, default=8, help="Linear + Tanh layers (L)")
     p.add_argument("--width", type=int, default=256, help="features per layer (w)")
@@ -208,7 +211,6 @@ def parser():
 
 
 def demo(args) -> int:
-    from mini_dist.kit import launch
     L, w, b = args.layers, args.width, args.batch
     launch.require(min(L, w, b) >= 1, "--layers, --width and --batch must be at least 1")
     env = launch.setup()
@@ -220,17 +222,16 @@ def demo(args) -> int:
     # is the next Linear's input, one storage: x + L outputs = (L + 1) * b * w * 4 bytes
     formula = (L + 1) * b * w * 4
     heap = peak_bytes(lambda: model(x).sum().backward(), env.device)
-    launch.print0(f"{L} x (Linear({w}, {w}) + Tanh), batch {b}, fp32: saved for backward {step['saved']:,} B, "
-                  f"formula (L+1)*b*w*4 = {formula:,} B\nactivation bytes alive during backward (max "
-                  f"{max(step['backward']):,} B): {bars(step['backward'], max(step['backward']))}\n"
-                  f"heap peak of a step above its start ({'CUDA allocator' if env.device.type == 'cuda' else 'glibc, sampled'}"
-                  f"): {heap:,} B\nmatmul FLOPs {step['flops']:,} = (6L-2)bw^2 = {(6 * L - 2) * b * w * w:,} (forward 2bw^2 "
-                  f"a layer, backward 4bw^2 but for the first layer's dx: x needs no gradient)")
+    allocator = "CUDA allocator" if env.device.type == "cuda" else "glibc, sampled"
+    launch.print0(f"{L} x (Linear({w}, {w}) + Tanh), batch {b}, fp32, bytes on this rank: saved for backward "
+                  f"{step['saved']:,} B, formula (L+1)*b*w*4 = {formula:,} B\nactivation bytes alive during backward "
+                  f"(max {max(step['backward']):,} B): {bars(step['backward'], max(step['backward']))}\n"
+                  f"heap peak of a step above its start ({allocator}): {heap:,} B\nmatmul FLOPs {step['flops']:,} = "
+                  f"(6L-2)bw^2 = {(6 * L - 2) * b * w * w:,} (forward 2bw^2 a layer, backward 4bw^2 but for the first "
+                  "layer's dx: x needs no gradient)")
     return launch.conclude("measure", step["saved"] == formula, f"saved bytes = (L+1)bw*4 = {formula:,}",
                            step["flops"] == (6 * L - 2) * b * w * w, "FLOPs = (6L-2)bw^2")
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from mini_dist.kit import launch as _launch
-    raise SystemExit(_launch.main(parser(), demo))
+    raise SystemExit(launch.main(parser(), demo))
