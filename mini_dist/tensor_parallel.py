@@ -21,8 +21,9 @@ naive MLP sends 15(T-1)/T*D, Megatron's 4(T-1)/T*D (and naive computes GeLU on a
 
 sequence_parallel=True (Korthikanti et al. 2022; its lesson is in parallel_transformer.py) does each all-reduce
 as its halves: a row layer reduce-scatters its output along the sequence, a column layer all-gathers its input
-(again in backward, rather than keep it). Which slice of each parameter a rank holds, and the move between a
-dense module and its parallel twin, are mini_dist/tp_layout.py's.
+(again in backward, rather than keep it). Whole parameters that see s/T tokens (a row bias, layer norms) then
+hold partial gradients: `allreduce_sequence_parallel_grads` sums them before the optimizer step. Which slice of
+each parameter a rank holds, and the move between a dense module and its parallel twin: mini_dist/tp_layout.py.
 
 Demo (the MLP both ways against nn.Sequential: max difference, collectives and bytes per rank):
 

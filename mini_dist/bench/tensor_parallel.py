@@ -7,9 +7,8 @@ parallelize_module with ColwiseParallel + RowwiseParallel (DTensor), first plain
 then with sequence parallelism (input Shard(1) in, output Shard(1) out: all-gather + reduce-scatter each
 way). Both sides run the same matmuls and move the same bytes; what differs is the bookkeeping around them:
 DTensor dispatches every op through its sharding propagation, we call F.linear and one collective.
-Targets, from runs on a shared 2-core machine at 4 ranks: plain TP <= 1.0x (measured 0.81-0.90x); TP + SP
-<= 1.3x (measured 1.07-1.24x), because our backward all-gathers each column layer's input again where
-DTensor kept the gathered input: one more all-gather per step, the price of SP's 1/T activation memory.
+Targets: plain TP <= 1.0x; TP + SP <= 1.3x, because our backward all-gathers each column layer's input again
+where DTensor kept the gathered input: one more all-gather per step, the price of SP's 1/T activation memory.
 The last row is the price of MINI_DIST_DEBUG=1 (every layer and collective first agrees on shapes).
 """
 import copy
@@ -20,7 +19,8 @@ import torch.nn as nn
 
 from mini_dist import bench, comm
 from mini_dist.kit.launch import device
-from mini_dist.tensor_parallel import ParallelMLP, shard_from_dense
+from mini_dist.tensor_parallel import ParallelMLP
+from mini_dist.tp_layout import shard_from_dense
 
 
 def _step(module, x):
