@@ -116,9 +116,9 @@ def check(module: str, workspace: str = WORKSPACE, demo: bool = True) -> int:
     tests = [os.path.join(ROOT, "tests", f) for f in sorted(os.listdir(os.path.join(ROOT, "tests")))
              if f.startswith("test_") and f != "test_exercise.py"
              and re.search(rf"\b{module}\b", open(os.path.join(ROOT, "tests", f)).read())]
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "exercise", "-p", "no:cacheprovider",
-                             "-p", "mini_dist.kit.exercise", "--no-header", "-o", "console_output_style=classic",
-                             "--tb=short", *tests], cwd=ROOT, env=env, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-m", "exercise", "-p", "no:cacheprovider",
+                             "-p", "mini_dist.kit.exercise", "-p", "no:terminal",
+                             *tests], cwd=ROOT, env=env, capture_output=True, text=True)
     lines = [line for line in result.stdout.splitlines() if line.startswith(("PASS", "FAIL", "      "))]
     print("\n".join(lines) or result.stdout[-2000:] + result.stderr[-2000:], flush=True)
     status = 0 if result.returncode == 0 else 1
