@@ -358,25 +358,7 @@ def fsdp_traffic():
     Those bytes grow with the tokens, not with the parameters, and sit on the critical path, so TP stays inside a
     node, on NVLink, typically T <= 8.""")
 def tensor_parallel_traffic():
-    T, h, dev = dist.get_world_size(), 32, launch.device()
-    torch.manual_seed(0)
-    dense = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)).to(dev, f64)
-    mlp = tensor_parallel.shard_from_dense(tensor_parallel.ParallelMLP(h, device=dev, dtype=f64), dense)
-    payload, worst = {}, 0.0
-    for b in (2, 4):
-        x, dy = _data(b * 8, h, b).view(b, 8, h).requires_grad_(), _data(b * 8, h, b + 1).view(b, 8, h)
-        comm.COUNTER.reset()
-        out = mlp(x)
-        out.backward(dy)
-        payload[b], calls = sum(comm.COUNTER.bytes.values()), dict(comm.COUNTER.calls)
-        worst = max(worst, (out - dense(x)).abs().max().item())
-    share = sum(p.numel() for p in mlp.parameters()) / sum(p.numel() for p in dense.parameters())
-    grads = sum(p.nbytes for p in dense.parameters())
-    return (f"MLP {h} -> {4 * h} -> {h} on T = {T}: weights per rank {share:.2f} of dense, output = dense to "
-            f"{worst:.0e}; per step {calls.get('all_reduce', 0)} all-reduces of activations, "
-            f"{payload[2] // 1024} KiB at 2 x 8 tokens, {payload[4] // 1024} KiB at 4 x 8: TP's bytes grow with the "
-            f"tokens, while data parallelism all-reduces this layer's {grads // 1024} KiB of gradients once per step "
-            f"whatever the batch"), worst < 1e-12 and payload[4] == 2 * payload[2] and calls == {"all_reduce": 2}
+    return tensor_parallel.tensor_parallel_traffic()
 
 
 @question(11, "What are Megatron's f and g, and how many all-reduces does a transformer layer cost forward and "
@@ -387,20 +369,7 @@ def tensor_parallel_traffic():
     (Q, K, V cut by heads, output projection cut by rows) and the MLP (column, GeLU, row) each need one f and one
     g, so a transformer layer costs 2 all-reduces forward and 2 backward, each of one b*s*h activation.""")
 def f_and_g():
-    T, dev = dist.get_world_size(), launch.device()
-    exact = [comm.check_operator(name, comm.input_shape(name, 2, 2 * T, 3 * T, T))[0] for name in ("f", "g")]
-    block = parallel_transformer.ParallelTransformerBlock(32, 4, device=dev, dtype=f64)
-    x = _data(16, 32).view(2, 8, 32).requires_grad_()
-    comm.COUNTER.reset()
-    out = block(x)
-    forward = dict(comm.COUNTER.calls)
-    comm.COUNTER.reset()
-    out.backward(torch.ones_like(out))
-    backward, nbytes = dict(comm.COUNTER.calls), comm.COUNTER.bytes["all_reduce"]
-    return (f"f and g against one process: max |diff| {max(exact):g}; a transformer block on T = {T}: forward "
-            f"{forward.get('all_reduce', 0)} all-reduces (g after attention, g after the MLP), backward "
-            f"{backward.get('all_reduce', 0)} (f before each), {nbytes // backward.get('all_reduce', 1):,} B = "
-            f"b*s*h*8 each"), max(exact) == 0 and forward == backward == {"all_reduce": 2} and nbytes == 2 * x.nbytes
+    return parallel_transformer.all_reduces_per_layer(parallel_transformer.block_three_ways(2, 8, 32, 4))
 
 
 @question(12, "What does sequence parallelism save, and what does it cost in collectives?",
@@ -412,23 +381,7 @@ def f_and_g():
     all-gather), plus one all-gather per column layer again in backward, since the input is gathered again rather
     than kept whole; in return every activation of the layer is 1/T per rank.""")
 def sequence_parallel():
-    T, r, dev, (b, s, h, heads) = dist.get_world_size(), dist.get_rank(), launch.device(), (2, 16, 32, 4)
-    torch.manual_seed(0)
-    dense = parallel_transformer.TransformerBlock(h, heads, causal=True, device=dev, dtype=f64)
-    x, dy = _data(b * s, h).view(b, s, h).requires_grad_(), _data(b * s, h, 1).view(b, s, h)
-    dense(x).backward(dy)
-    alone = [launch.new_group([q]) for q in range(T)][r]  # a group of one: the same layer, undivided
-    one, tp, sp = [parallel_transformer._one_layer(tensor_parallel.shard_from_dense(
-        parallel_transformer.ParallelTransformerBlock(h, heads, True, on, group, dev, f64), dense, group),
-        dense, x, dy, on, group) for group, on in ((alone, False), (None, False), (None, True))]
-    worst = _max(max(one.diff, tp.diff, sp.diff))
-    talk = lambda calls: " + ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(calls.items()))  # noqa: E731
-    return (f"a block b={b} s={s} h={h} on T = {T} (= dense to {worst:.0e}): activations kept per rank 1/"
-            f"{one.acts / tp.acts:.2f} of one rank's under TP, 1/{one.acts / sp.acts:.2f} with SP; forward TP "
-            f"{talk(tp.fwd[0])}, SP {talk(sp.fwd[0])} ({sum(tp.fwd[0].values())} vs {sum(sp.fwd[0].values())} "
-            f"collectives, same bytes on a ring); backward TP {talk(tp.bwd[0])}, SP {talk(sp.bwd[0])}"), \
-        worst < 1e-12 and one.acts == T * sp.acts and tp.fwd[0] == tp.bwd[0] == {"all_reduce": 2} and \
-        sp.fwd[0] == {"all_gather": 2, "reduce_scatter": 2} and sp.bwd[0] == {"all_gather": 4, "reduce_scatter": 2}
+    return parallel_transformer.sequence_parallel_savings(parallel_transformer.block_three_ways(2, 16, 32, 4))
 
 
 # ----------------------------------------------------------------------------- pipeline parallelism
