@@ -186,11 +186,12 @@ class TransformerLayer(nn.Module):
     """A pre-norm GPT layer written op by op, so that what it saves is Korthikanti et al.'s count (their
     Section 4.1): e(16sbh + 2as^2b) + 2sbh + as^2b bytes, plus the layer norms' mean and 1/std."""
 
-    def __init__(self, hidden, heads, dropout=0.1, dtype=None):
+    def __init__(self, hidden, heads, dropout=0.1, dtype=None, device=None):
         super().__init__()
-        self.heads, self.p, h, kw = heads, dropout, hidden, dict(dtype=dtype)
-        self.ln1, self.qkv, self.proj = nn.LayerNorm(h, **kw), nn.Linear(h, 3 * h, **kw), nn.Linear(h, h, **kw)
-        self.ln2, self.fc1, self.fc2 = nn.LayerNorm(h, **kw), nn.Linear(h, 4 * h, **kw), nn.Linear(4 * h, h, **kw)
+        self.heads, self.p, h = heads, dropout, hidden
+        norm, linear = (functools.partial(m, dtype=dtype, device=device) for m in (nn.LayerNorm, nn.Linear))
+        self.ln1, self.qkv, self.proj = norm(h), linear(h, 3 * h), linear(h, h)
+        self.ln2, self.fc1, self.fc2 = norm(h), linear(h, 4 * h), linear(4 * h, h)
 
     def drop(self, x):  # native_dropout keeps a 1-byte mask on any device (F.dropout on the CPU: e bytes)
         return torch.native_dropout(x, self.p, True)[0]
@@ -229,7 +230,7 @@ def measure_strategies(layers, segments, batch, seq, hidden, heads, dropout=0.1,
     """name -> profile_step's figures for each of chosen(...)'s strategies (and forward runs per layer), with
     its formulas and the largest |difference| of its gradients from none's and from torch's."""
     torch.manual_seed(seed)
-    model = nn.Sequential(*[TransformerLayer(hidden, heads, dropout) for _ in range(layers)]).to(launch.device())
+    model = nn.Sequential(*[TransformerLayer(hidden, heads, dropout, device=launch.device()) for _ in range(layers)])
     x, dy = (torch.randn(batch, seq, hidden, device=launch.device()) for _ in range(2))  # x needs no gradient
     calls = []
     [layer.register_forward_pre_hook(lambda *_: calls.append(1)) for layer in model]

@@ -221,9 +221,8 @@ LOUD = 3.0  # |output gradient| / S on the last rank: it overflows fp16 first, o
 def shard_data(rank: int, world: int, steps: int, device):
     """Rank r's inputs for every step; the last rank's output gradients are the loudest."""
     g = torch.Generator().manual_seed(1009 + rank)
-    c = (LOUD if rank == world - 1 else 0.5) * torch.randn(2, 4, generator=g).sign()
-    xs = [(torch.rand(2, 8, generator=g) - 0.5) / 2 for _ in range(steps)]  # |x| < 1/4: dW < S*c
-    return c.to(device), [x.to(device) for x in xs]
+    c = ((LOUD if rank == world - 1 else 0.5) * torch.randn(2, 4, generator=g).sign()).to(device)
+    return c, [((torch.rand(2, 8, generator=g) - 0.5) / 2).to(device) for _ in range(steps)]  # |x| < 1/4: dW < S*c
 
 
 def run_shards(scaler, data, steps):

@@ -68,10 +68,10 @@ class MasterWeights:
 
 def regression_problem(seed: int = 0, n: int = 32, d: int = 8):
     """Least squares whose weights sit in [1, 2), where fp16's spacing is 2^-10 (bf16's 2^-7)."""
-    g = torch.Generator().manual_seed(seed)  # cpu: the same numbers for every device; the callers move them
-    X = torch.randn(n, d, generator=g)
-    w0 = 1 + torch.rand(d, generator=g)
-    y = X @ (w0 + 0.05 * torch.randn(d, generator=g))
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, d, generator=g)  # cpu: the same numbers for every device; the callers move them
+    w0 = 1 + torch.rand(d, generator=g)  # cpu: as X
+    y = X @ (w0 + 0.05 * torch.randn(d, generator=g))  # cpu: as X
     return X, y, w0
 
 

@@ -93,8 +93,8 @@ def first_difference(a, b) -> str:
 
 def inputs(n, width, dtype, seed, requires_grad=False):
     """Inputs drawn on the CPU (the same numbers on every device), then moved to the device."""
-    x = torch.randn(n, width, dtype=dtype, generator=torch.Generator().manual_seed(seed))
-    return x.to(device()).requires_grad_(requires_grad)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, width, dtype=dtype, generator=g).to(device()).requires_grad_(requires_grad)
 
 
 CASES = dict(depth=st.integers(1, 6), width=st.integers(1, 8), n=st.integers(1, 4),
@@ -188,9 +188,10 @@ def test_non_reentrant_works_where_reentrant_cannot_inputs_without_grad_autograd
        seed=st.integers(0, 99))
 def test_the_textbook_checkpoint_keeps_only_its_input_reruns_forward_once_and_equals_torchs_reentrant(
         depth, width, p, tied, seed):
-    """ReentrantCheckpoint: forward keeps the input alone (nothing inside the segment is saved); backward runs
-    the segment once more, with the forward's dropout masks, so output and every gradient equal both the plain
-    model's and torch.utils.checkpoint(use_reentrant=True)'s bit for bit."""
+    """The textbook checkpoint keeps only its input and reruns forward once, equal to torch's reentrant one.
+
+    Forward saves nothing inside the segment; backward runs it once more with the forward's dropout masks, so
+    the output and every gradient equal the plain model's and torch.utils.checkpoint(use_reentrant=True)'s."""
     model = mlp(depth, width, p, torch.float32, tied and depth >= 2, seed)
     x = inputs(2, width, torch.float32, seed, requires_grad=True)  # reentrant needs an input that requires grad
     calls = []

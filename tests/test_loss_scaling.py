@@ -71,14 +71,14 @@ class Pipeline:
 def check_against_grad_scaler(dev, seed, init_scale, growth, backoff, interval, steps, injected, loud,
                               adam, master, half_loss, reload_at):
     g = torch.Generator().manual_seed(seed)
-    W, b = torch.randn(3, 5, generator=g), torch.randn(3, generator=g)
+    W, b = torch.randn(3, 5, generator=g), torch.randn(3, generator=g)  # cpu: Pipeline copies them to dev
     hyper = dict(init_scale=init_scale, growth_factor=growth, backoff_factor=backoff,
                  growth_interval=interval)
     mine = Pipeline(loss_scaling.DynamicLossScaler(**hyper), dev, W, b, adam, master, half_loss)
     ref = Pipeline(torch.amp.GradScaler(dev.type, **hyper), dev, W, b, adam, master, half_loss)
     w_skipped = []
     for t in range(steps):
-        x, c = torch.randn(4, 5, generator=g), loud * torch.randn(4, 3, generator=g)
+        x, c = torch.randn(4, 5, generator=g), loud * torch.randn(4, 3, generator=g)  # cpu: moved to dev below
         if t in injected:
             x[t % 4, t % 5] = KINDS[injected[t]]
         before = len(mine.calls[0])
@@ -122,7 +122,8 @@ grad_scaler_cases = given(
 @example(seed=2, init_scale=2.0**124, growth=4.0, backoff=0.5, interval=1, steps=4,  # growth stops
          injected={}, loud=0.0, adam=False, master=False, half_loss=False, reload_at=-1)  # below inf
 def test_scaler_equals_grad_scaler_bit_for_bit_with_injected_and_natural_overflows(**case):
-    check_against_grad_scaler(torch.device("cpu"), **case)
+    """The scaler equals torch.amp.GradScaler bit for bit: scaled loss, scale, steps taken, parameters."""
+    check_against_grad_scaler(torch.device("cpu"), **case)  # cpu: the test below compares with GradScaler("cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
@@ -140,8 +141,10 @@ def test_scaler_equals_cuda_grad_scaler_bit_for_bit_under_cuda_fp16_autocast(**c
        interval=st.integers(1, 4), overflows=st.lists(st.booleans(), min_size=1, max_size=20))
 def test_update_backs_off_on_overflow_and_grows_after_the_interval_exactly_as_torchs_update_scale(
         init_scale, growth, backoff, interval, overflows):
-    """DynamicLossScaler.update against torch._amp_update_scale_ (GradScaler's update) on the same overflow
-    flags: after every step the same fp32 scale and the same count of clean steps."""
+    """update() halves S on an overflow and grows it after the interval, exactly as GradScaler's update.
+
+    Against torch._amp_update_scale_ on the same overflow flags: after every step the same fp32 scale and the
+    same count of clean steps."""
     scaler = loss_scaling.DynamicLossScaler(init_scale, growth, backoff, interval)
     scale = torch.full((1,), init_scale, dtype=torch.float32, device=device())
     tracker = torch.zeros(1, dtype=torch.int32, device=device())
@@ -172,8 +175,8 @@ def sharded_run(seed, steps, injected, hyper, members, loud=30.0, alone=False):
     if rank not in members:
         return None
     dev, g = device(), rank_generator(seed)
-    own = [(torch.randn(3, 4, generator=g), torch.randn(2, 4, generator=g),
-            loud * torch.randn(2, 3, generator=g)) for _ in range(steps)]  # (W at start, x, c) per step
+    own = [(torch.randn(3, 4, generator=g), torch.randn(2, 4, generator=g),  # cpu: all-gathered as objects,
+            loud * torch.randn(2, 3, generator=g)) for _ in range(steps)]  # cpu: moved to dev in train()
     for t, r in injected.items():
         if r == rank and t < steps:
             own[t][1][0, t % 4] = math.inf
@@ -316,7 +319,7 @@ def test_the_quick_inf_check_never_calls_a_non_finite_step_finite_and_forgets_th
         for x in grads:  # the next step's clean gradients, same shapes: the scratch kept nothing
             x.copy_(torch.randn(x.shape, generator=g, dtype=torch.float64))
         assert loss_scaling.all_finite(grads)
-    scratch, views = next(iter(loss_scaling._FOLDED.values()), (torch.empty(0), []))
+    scratch, views = next(iter(loss_scaling._FOLDED.values()), (torch.empty(0), []))  # cpu: the CPU scratch
     assert len(loss_scaling._FOLDED) <= 1 and scratch.numel() <= loss_scaling.FOLD
 
 

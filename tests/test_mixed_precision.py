@@ -27,7 +27,7 @@ def decode(text: str) -> float:
 def test_bit_layout_decodes_to_the_stored_value(dtype, x):
     info = torch.finfo(dtype)
     for v in (x, info.max, info.smallest_normal, info.smallest_normal / 2):
-        assert decode(bits(v, dtype)) == torch.tensor(v, dtype=dtype).item()
+        assert decode(bits(v, dtype)) == torch.tensor(v, dtype=dtype).item()  # cpu: the value as stored
     assert len(bits(1.0, dtype).split("|")[1]) == {torch.float16: 5}.get(dtype, 8)
 
 
