@@ -38,7 +38,8 @@ if not __package__:  # run as `torchrun mini_dist/compression.py`: Python put mi
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import comm
 from mini_dist.kit import launch
-from mini_dist.ddp import DistributedDataParallel, launch_on_comm_thread
+from mini_dist.ddp import DistributedDataParallel
+from mini_dist.reducer import launch_on_comm_thread
 
 
 def _in_background(fn, bucket, group) -> torch.futures.Future[torch.Tensor]:
@@ -192,7 +193,7 @@ def train(widths, hook, state_args, steps: int, lr: float, native: bool = False)
     torch's own). Returns the losses on a fixed test set, the parameters, and the bytes of one step."""
     torch.manual_seed(0)
     d = widths[0]
-    teacher, scales = torch.randn(d, widths[-1]) / d ** 0.5, torch.logspace(0, -1.5, d)  # some directions small
+    teacher, scales = torch.randn(d, widths[-1]) / d ** 0.5, torch.logspace(0, -1.5, d)  # cpu: moved where used
     model = nn.Sequential(*(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))).to(launch.device())
     ddp = DistributedDataParallel(model)
     if hook is not None:
@@ -212,6 +213,24 @@ def train(widths, hook, state_args, steps: int, lr: float, native: bool = False)
         with torch.no_grad():
             losses.append(nn.functional.mse_loss(model(x_test), x_test @ teacher.to(x_test.device)).item())
     return losses, [p.detach().clone() for p in model.parameters()], sent
+
+
+def powersgd_with_and_without_error_feedback(widths=(32, 32, 32), steps: int = 20) -> tuple[str, bool]:
+    """Bytes all-reduced per step, plain and PowerSGD r = 1, and the test loss after `steps` steps with and
+    without error feedback. Collective: every rank of the default group calls it."""
+    runs = {"plain": (None, None)} | {f"PowerSGD r=1{ef}": (powerSGD_hook, dict(
+        matrix_approximation_rank=1, start_powerSGD_iter=2, use_error_feedback=ef == " + EF")) for ef in (" + EF", "")}
+    seen = {name: train(list(widths), hook, state, steps, 0.1) for name, (hook, state) in runs.items()}
+    n = dist.get_world_size()
+    D = 4 * sum(a * b + b for a, b in zip(widths, widths[1:]))
+    low = 4 * sum(a + b + b for a, b in zip(widths, widths[1:]))  # r(n + m) + the bias, r = 1
+    sent, loss = {k: s[2] for k, s in seen.items()}, {k: s[0][-1] for k, s in seen.items()}
+    return (f"linear layers of widths {list(widths)} on {n} ranks: bytes all-reduced per step plain "
+            f"{sent['plain']:,}, PowerSGD r=1 {sent['PowerSGD r=1']:,} = 4(r(n+m) + bias) per layer "
+            f"({D / low:.1f}x fewer{'; one rank sends nothing' if n == 1 else ''}); test loss after {steps} steps: "
+            + ", ".join(f"{k} {v:.2e}" for k, v in loss.items())), \
+        sent["plain"] == D and sent["PowerSGD r=1"] == sent["PowerSGD r=1 + EF"] == (low if n > 1 else 0) and \
+        loss["PowerSGD r=1 + EF"] < loss["PowerSGD r=1"]
 
 
 def parser():
@@ -237,27 +256,33 @@ def demo(args) -> int:
     env = launch.setup()
     runs = {"none": (None, None), "fp16": (fp16_compress_hook, None)}
     runs.update({f"PowerSGD r={r}{ef}": (powerSGD_hook, dict(matrix_approximation_rank=r, start_powerSGD_iter=
-                 args.start_iter, use_error_feedback=ef == " + EF")) for r in args.ranks for ef in (" + EF", ", no EF")})
+                 args.start_iter, use_error_feedback=ef == " + EF"))
+                 for r in args.ranks for ef in (" + EF", ", no EF")})
     results = {name: train(w, hook, state, args.steps, args.lr) for name, (hook, state) in runs.items()}
     diff = max((a - b).abs().max().item() for name, (hook, state) in runs.items() if hook
                for a, b in zip(results[name][1], train(w, hook, state, args.steps, args.lr, native=True)[1]))
     launch.print0(f"{env.world_size} ranks, mini DDP with each hook vs torch's own hook, {args.steps} steps: "
                   f"max |parameter difference| {diff:.1e}")
     D = sum(a * b + b for a, b in zip(w, w[1:])) * 4
-    launch.print0(f"gradient matrices {', '.join(f'{b} x {a}' for a, b in zip(w, w[1:]))}: PowerSGD sends r(n + m)"
-                  f" numbers for each instead of n m; biases go whole\n\n{'hook':<22}{'bytes to all-reduce per step':>30}"
-                  f"{'  (formula)':<26}{'loss: start':>11}{f'step {args.steps // 2}':>10}{f'step {args.steps}':>10}")
+    launch.print0(f"gradient matrices {', '.join(f'{b} x {a}' for a, b in zip(w, w[1:]))}: PowerSGD sends "
+                  f"r(n + m) numbers for each instead of n m; biases go whole\n\n{'hook':<22}"
+                  f"{'bytes all-reduced per step, per rank':>38}{'  (formula)':<26}{'loss: start':>11}"
+                  f"{f'step {args.steps // 2}':>10}{f'step {args.steps}':>10}")
     bytes_ok = True
     for name, (hook, state) in runs.items():
         r = state["matrix_approximation_rank"] if state else 0
         formula = {"none": (D, "D"), "fp16": (D // 2, "D/2")}.get(
             name, (4 * sum(r * (a + b) + b for a, b in zip(w, w[1:])), "4 (sum r(n+m) + biases)"))
+        if hook and env.world_size == 1:  # a hook's all-reduce on one rank sends nothing (DDP's own counts D)
+            formula = (0, "N = 1: none")
         losses, _, sent = results[name]
         bytes_ok &= sent == formula[0]
-        launch.print0(f"{name:<22}{sent:>30,}{f'  ({formula[0]:,} = {formula[1]})':<26}{losses[0]:>11.2e}"
+        launch.print0(f"{name:<22}{sent:>36,} B{f'  ({formula[0]:,} = {formula[1]})':<26}{losses[0]:>11.2e}"
                       f"{losses[max(args.steps // 2 - 1, 0)]:>10.2e}{losses[-1]:>10.2e}")
+    figure, holds = powersgd_with_and_without_error_feedback()
+    launch.print0(f"\npowersgd_with_and_without_error_feedback: {figure}")
     r1 = min(args.ranks)
-    feedback_helps = results[f"PowerSGD r={r1} + EF"][0][-1] < results[f"PowerSGD r={r1}, no EF"][0][-1]
+    feedback_helps = holds and results[f"PowerSGD r={r1} + EF"][0][-1] < results[f"PowerSGD r={r1}, no EF"][0][-1]
     return launch.conclude("compression", diff == 0.0, f"hooks = torch's bit for bit ({diff:.0e})",
                            bytes_ok and feedback_helps, f"bytes = r(n+m) formulas; r={r1} loss with error "
                            f"feedback {results[f'PowerSGD r={r1} + EF'][0][-1]:.2e} vs without "

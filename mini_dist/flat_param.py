@@ -18,20 +18,27 @@ parameter (Slice(shape, start, stop)), no communication, for a checkpoint that e
 optimizer is built on the slices, so optimizer.state_dict() on each rank is that rank's shard of the
 optimizer state: save and load it beside sharded_state_dict() with the same world size and wrap.
 
-Used by mini_dist/fsdp.py, which decides when to gather and free. Mirrors
+Used by mini_dist/fsdp.py, which decides when to gather and free, one unit at a time; ZeRO
+(mini_dist/zero.py) cuts the whole model the same way (`Partition`). Mirrors
 torch.distributed.fsdp._flat_param.FlatParameter (FSDP1).
 
 Demo (each rank's slices of a small model, the padding, and both state dicts back to the model's tensors):
 
     torchrun --standalone --nproc_per_node=4 mini_dist/flat_param.py [--sizes 5 3 2]
 """
-import os
 import sys
 from collections import namedtuple
+from dataclasses import dataclass
+from itertools import accumulate
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if not __package__:  # run as `torchrun mini_dist/flat_param.py`: Python put mini_dist/ on the path, not the repo
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mini_dist.kit import launch
 
 Slice = namedtuple("Slice", "shape start stop")  # a rank's elements [start, stop) of a flattened parameter
 
@@ -49,7 +56,7 @@ class FlatParameter:
         self.full = torch.empty(world * S, dtype=param_dtype or dtype, device=device)  # in param_dtype
         self.full.requires_grad_(trainable).untyped_storage().resize_(0)  # allocated only when gathered
         self.work = None  # (async all-gather, its input) while a gather is in flight
-        starts = torch.tensor([0, *self.numels]).cumsum(0).tolist()
+        starts = [0, *accumulate(self.numels)]
         # parameter i's part of my shard, clamped to it: [a, b) in shard coordinates
         self.ranges = [tuple(min(max(x - rank * S, 0), S) for x in ends) for ends in zip(starts, starts[1:])]
         self.slices = [Slice(shape, a + rank * S - o, b + rank * S - o) if b > a else Slice(shape, 0, 0)
@@ -69,6 +76,62 @@ class FlatParameter:
         views = self.full[:self.numel].split(self.numels)
         for module, attr, i in self.slots:
             setattr(module, attr, views[i].view(self.shapes[i]))
+
+
+# ----- ZeRO's layout of the whole model (mini_dist/zero.py): the same cut, named per rank
+
+@dataclass(frozen=True)
+class Partition:
+    """Where each parameter sits in the flat vector, and which slice [lo, hi) of it each rank owns."""
+    names: tuple
+    shapes: tuple
+    world_size: int
+
+    @property
+    def spans(self) -> list:
+        ends = list(accumulate(s.numel() for s in self.shapes))
+        return [(end - s.numel(), end) for end, s in zip(ends, self.shapes)]
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel() for s in self.shapes)
+
+    @property
+    def shard_size(self) -> int:
+        return -(-self.numel // self.world_size)  # S = ceil(N / K)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.world_size * self.shard_size  # Psi: at most K-1 zeros of padding at the end
+
+    def shard(self, rank: int) -> tuple:
+        return rank * self.shard_size, (rank + 1) * self.shard_size
+
+    def pieces(self, rank: int) -> list:
+        """(name, start, stop) of every parameter slice that falls into rank's shard."""
+        lo, hi = self.shard(rank)
+        return [(n, max(lo, a) - a, min(hi, b) - a) for n, (a, b) in zip(self.names, self.spans)
+                if a < hi and b > lo]
+
+    def __str__(self) -> str:
+        pad = self.padded_numel - self.numel
+        lines = [f"partition of N = {self.numel:,} elements over K = {self.world_size} ranks: "
+                 f"shard S = {self.shard_size:,}, padding {pad}"]
+        for r in range(self.world_size):
+            lo, hi = self.shard(r)
+            tail = f" + {min(pad, hi - lo)} padding" if hi > self.numel else ""
+            parts = " ".join(f"{n}[{a}:{b}]" for n, a, b in self.pieces(r))
+            lines.append(f"  rank {r}: [{lo:,}, {hi:,}) {parts}{tail}")
+        return "\n".join(lines)
+
+
+def flatten_into_buffer(params: list, partition: Partition) -> torch.Tensor:
+    """One padded flat vector; each parameter becomes a view of it: writing the vector updates the model."""
+    flat = torch.zeros(partition.padded_numel, dtype=params[0].dtype, device=params[0].device)
+    for p, (a, b) in zip(params, partition.spans):
+        flat[a:b].copy_(p.detach().reshape(-1))
+        p.data = flat[a:b].view_as(p)
+    return flat
 
 
 def pick_units(root: nn.Module, wrap, param_dtype) -> list:
@@ -198,14 +261,12 @@ def agree(units: list, wrong: list, problem: str, group=None) -> None:
 # ----- demo: who holds what, and the way back to whole tensors -----
 
 def parser():
-    from mini_dist.kit import launch
     p = launch.demo_parser(__doc__)
     p.add_argument("--sizes", type=int, nargs="+", default=[5, 3, 2], help="widths of a Linear stack (one unit)")
     return p
 
 
 def demo(args) -> int:
-    from mini_dist.kit import launch
     launch.require(len(args.sizes) >= 2 and min(args.sizes) >= 1, "--sizes needs two or more widths >= 1")
     env = launch.setup()
     torch.manual_seed(0)  # every rank builds the same model
@@ -236,6 +297,4 @@ def demo(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from mini_dist.kit import launch as _launch
-    raise SystemExit(_launch.main(parser(), demo))
+    raise SystemExit(launch.main(parser(), demo))

@@ -11,10 +11,12 @@ module; the root takes what is left -- flattens each unit into one vector padded
 
 Backward needs the weights again (dL/dx = dL/dy W): gathering twice is the price of holding one unit at a
 time (reshard_after_forward=False keeps them: one gather fewer, every unit alive at the turn). Per rank
-per step, K ranks, N parameters of B bytes (N' = the units' padded sizes K*S, summed):
+per step, fp32 Adam, K ranks, N parameters (N' = the units' padded sizes K*S, summed), in bytes:
 
-    memory   N'/K + root + 1 unit (naive)  or  N'/K + root + 2 units (prefetch)     vs DDP  N
-    traffic  all-gather + all-gather + reduce-scatter = 3 (K-1)/K N' B             vs DDP  2 (K-1)/K N B
+    memory   16N'/K (shards of params, grads, Adam state) + root + 1 unit gathered     vs DDP  16N
+    traffic  all-gather + all-gather + reduce-scatter = 3 (K-1)/K 4N'                   vs DDP  2 (K-1)/K 4N
+
+(both measured beside DDP's: mini_dist/fsdp_ledger.py).
 
 Naive (prefetch=False): a unit's all-gather starts when the unit is needed, and compute waits for it.
 Optimized (prefetch=True): the next unit's all-gather starts (async) before the current unit computes, in
@@ -48,28 +50,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 if not __package__:  # run as `torchrun mini_dist/fsdp.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import flat_param
-from mini_dist.kit import launch, timing
-
-class Ledger:
-    """One rank's events since reset(): (phase, unit, what, bytes sent, gathered bytes after), and the peak."""
-
-    def __init__(self):
-        self.events, self.gathered, self.peak = [], 0, 0  # gathered: bytes of full parameters alive now
-
-    def record(self, *event) -> None:
-        self.events.append(event)
-        self.gathered = event[4]
-        self.peak = max(self.peak, self.gathered)
-
-    def reset(self) -> None:
-        self.events, self.peak = [], self.gathered
-
-    def count(self, what: str, unit: str | None = None) -> int:
-        return sum(e[2] == what and unit in (None, e[1]) for e in self.events)
-
-    @property
-    def sent(self) -> int:
-        return sum(e[3] for e in self.events)
+from mini_dist.kit import launch, models, timing
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -94,25 +75,60 @@ class FullyShardedDataParallel(nn.Module):
             if unit.full.requires_grad:
                 unit.full.register_post_accumulate_grad_hook(partial(self._reduce_scatter, unit))
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """The wrapped module's names, each bound to this rank's slice of that parameter (see the top)."""
-        for unit in self.units:
-            yield from ((f"{prefix}.{n}" if prefix else n, p) for n, p in zip(unit.names, unit.params))
+    # ----- the idea: around each unit, gather just before it computes, free right after
 
-    # ----- the collectives, each recorded in the ledger, and named when one fails
+    def _pre_forward(self, unit, module, args, kwargs):
+        """Forward pre-hook: the unit's whole parameters must exist before it computes."""
+        # exercise: gather the unit (_before_compute, in forward order self.units), then attach_views()
+        self._before_compute(unit, "forward", self.units)
+        unit.attach_views()
+        # end exercise
+        cast = lambda t: t.to(unit.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t
+        return tree_map(cast, (args, kwargs)) if unit.param_dtype is not None else (args, kwargs)
 
-    def _collective(self, unit, what: str, run):
-        """A rank that died or timed out surfaces here, often inside loss.backward(): say where we were."""
-        try:
-            return run()
-        except RuntimeError as e:
-            raise RuntimeError(f"FSDP unit {unit.name!r}: {what} failed on rank {dist.get_rank()}: {e} "
-                               f"(the first rank to fail says why in its own log)") from e
+    def _post_forward(self, unit, module, args, output):
+        """Forward hook: free the unit (unless kept for backward); its backward gathers it again."""
+        # exercise: note the unit finished; free it if resharding; hook _pre_backward on its grad-needing outputs
+        self._finished.append(unit)
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self._free(unit, "forward")
+        needs_grad = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
+        if needs_grad:  # fires when the first gradient reaches the unit's output: its backward is next
+            torch.autograd.graph.register_multi_grad_hook(needs_grad, lambda _: self._pre_backward(unit),
+                                                          mode="any")
+        # end exercise
 
-    def _record(self, phase: str, unit, what: str, piece: torch.Tensor | None = None) -> None:
-        sent = 0 if piece is None else (self.world - 1) * piece.nbytes  # a ring sends K-1 pieces of a shard
-        gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)
-        self.ledger.record(phase, unit.name, what, sent, gathered)
+    def _pre_backward(self, unit) -> None:
+        """Before the unit's backward: dL/dx = dL/dy W needs the weights forward freed: gather them again."""
+        if not self._callback_queued:  # the engine's end-of-backward hook (DDP's reducer uses it too)
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        # exercise: gather the unit again, in backward order (the units that finished forward, reversed)
+        self._before_compute(unit, "backward", self._finished[::-1])
+        # end exercise
+
+    def _reduce_scatter(self, unit, full: torch.Tensor) -> None:
+        """Once autograd has put the unit's full gradient in full.grad: rank r keeps the average over
+        ranks of shard r of it (SUM then / K: gloo has no AVG), in the shard's dtype; the unit goes."""
+        grad, full.grad = full.grad, None
+        out = torch.empty(unit.shard_numel, dtype=grad.dtype, device=grad.device)
+        self._collective(unit, "reduce-scatter of its gradient",
+                         lambda: dist.reduce_scatter_single(out, grad, group=self.group))
+        self._record("backward", unit, "reduce-scatter", out)
+        out = out.div_(self.world).to(unit.shard.dtype)
+        for p, g in zip(unit.params, unit.pieces(out)):  # each slice's .grad: a view of the flat gradient
+            p.grad = g if p.grad is None else p.grad.add_(g)
+        self._free(unit, "backward")
+
+    # ----- gathering, freeing and prefetching, each collective recorded in the ledger
+
+    def _before_compute(self, unit, phase: str, order: list) -> None:
+        """Gather the unit and wait; with prefetch, first start the gather of the unit after it in order."""
+        self._gather(unit, phase)
+        following = order[order.index(unit) + 1:] if unit in order else []
+        if self.prefetch and following:
+            self._gather(following[0], phase, wait=False)
+        self._record(phase, unit, "compute")
 
     def _gather(self, unit, phase: str, wait: bool = True) -> None:
         """All-gather the unit's full vector into its re-allocated storage (left in flight unless wait)."""
@@ -135,53 +151,18 @@ class FullyShardedDataParallel(nn.Module):
             unit.full.untyped_storage().resize_(0)
             self._record(phase, unit, "free")
 
-    def _reduce_scatter(self, unit, full: torch.Tensor) -> None:
-        """Once autograd has put the unit's full gradient in full.grad: rank r keeps the average over
-        ranks of shard r of it (SUM then / K: gloo has no AVG), in the shard's dtype; the unit goes."""
-        grad, full.grad = full.grad, None
-        out = torch.empty(unit.shard_numel, dtype=grad.dtype, device=grad.device)
-        self._collective(unit, "reduce-scatter of its gradient",
-                         lambda: dist.reduce_scatter_single(out, grad, group=self.group))
-        self._record("backward", unit, "reduce-scatter", out)
-        out = out.div_(self.world).to(unit.shard.dtype)
-        for p, g in zip(unit.params, unit.pieces(out)):  # each slice's .grad: a view of the flat gradient
-            p.grad = g if p.grad is None else p.grad.add_(g)
-        self._free(unit, "backward")
+    def _collective(self, unit, what: str, run):
+        """A rank that died or timed out surfaces here, often inside loss.backward(): say where we were."""
+        try:
+            return run()
+        except RuntimeError as e:
+            raise RuntimeError(f"FSDP unit {unit.name!r}: {what} failed on rank {dist.get_rank()}: {e} "
+                               f"(the first rank to fail says why in its own log)") from e
 
-    # ----- the hooks: forward pre/post on each unit, pre-backward on its outputs (post: _reduce_scatter)
-
-    def forward(self, *args, **kwargs):
-        self._finished = []  # the order units finish forward, reversed, is the order of their backward
-        return self.module(*args, **kwargs)
-
-    def _before_compute(self, unit, phase: str, order: list) -> None:
-        """Gather the unit and wait; with prefetch, first start the gather of the unit after it in order."""
-        self._gather(unit, phase)
-        following = order[order.index(unit) + 1:] if unit in order else []
-        if self.prefetch and following:
-            self._gather(following[0], phase, wait=False)
-        self._record(phase, unit, "compute")
-
-    def _pre_forward(self, unit, module, args, kwargs):
-        self._before_compute(unit, "forward", self.units)
-        unit.attach_views()
-        cast = lambda t: t.to(unit.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t
-        return tree_map(cast, (args, kwargs)) if unit.param_dtype is not None else (args, kwargs)
-
-    def _post_forward(self, unit, module, args, output):
-        self._finished.append(unit)
-        if self.reshard_after_forward or not torch.is_grad_enabled():
-            self._free(unit, "forward")
-        needs_grad = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
-        if needs_grad:  # fires when the first gradient reaches the unit's output: its backward is next
-            torch.autograd.graph.register_multi_grad_hook(needs_grad, lambda _: self._pre_backward(unit),
-                                                          mode="any")
-
-    def _pre_backward(self, unit) -> None:
-        if not self._callback_queued:  # the engine's end-of-backward hook (DDP's reducer uses it too)
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._before_compute(unit, "backward", self._finished[::-1])
+    def _record(self, phase: str, unit, what: str, piece: torch.Tensor | None = None) -> None:
+        sent = 0 if piece is None else (self.world - 1) * piece.nbytes  # a ring sends K-1 pieces of a shard
+        gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)
+        self.ledger.record(phase, unit.name, what, sent, gathered)
 
     def _end_of_backward(self) -> None:
         """Free what no gradient reached (a frozen unit, an unused one, a prefetch that was not needed)."""
@@ -189,7 +170,16 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self.units:
             self._free(unit, "backward")
 
-    # ----- state dicts (mini_dist/flat_param.py): whole tensors, or this rank's slices for a checkpoint
+    # ----- the module's face: forward, its parameters (this rank's slices), state dicts
+
+    def forward(self, *args, **kwargs):
+        self._finished = []  # the order units finish forward, reversed, is the order of their backward
+        return self.module(*args, **kwargs)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The wrapped module's names, each bound to this rank's slice of that parameter (see the top)."""
+        for unit in self.units:
+            yield from ((f"{prefix}.{n}" if prefix else n, p) for n, p in zip(unit.names, unit.params))
 
     def full_state_dict(self, to: int | None = 0) -> dict:
         """Collective: whole parameters on group rank `to` ({} elsewhere), or on every rank with to=None."""
@@ -209,41 +199,30 @@ class FullyShardedDataParallel(nn.Module):
         flat_param.load_sharded_state_dict(self.units, state, self.group)
 
 
+class Ledger:
+    """One rank's events since reset(): (phase, unit, what, bytes sent, gathered bytes after), and the peak."""
+
+    def __init__(self):
+        self.events, self.gathered, self.peak = [], 0, 0  # gathered: bytes of full parameters alive now
+
+    def record(self, *event) -> None:
+        self.events.append(event)
+        self.gathered = event[4]
+        self.peak = max(self.peak, self.gathered)
+
+    def reset(self) -> None:
+        self.events, self.peak = [], self.gathered
+
+    def count(self, what: str, unit: str | None = None) -> int:
+        return sum(e[2] == what and unit in (None, e[1]) for e in self.events)
+
+    @property
+    def sent(self) -> int:
+        return sum(e[3] for e in self.events)
+
+
+
 # ----------------------------------------------------------------------------- demo
-
-class Block(nn.Module):
-    """A residual MLP standing in for a transformer block: the unit FSDP gathers and frees whole."""
-
-    def __init__(self, width: int, hidden: int):
-        super().__init__()
-        self.up, self.down = nn.Linear(width, hidden), nn.Linear(hidden, width)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(x)))
-
-
-def make_model(width, hidden, depth, dtype, device, native=False, **options) -> nn.Module:
-    """Linear -> Blocks -> Linear, each Block a unit: wrapped by us, or by native fully_shard (FSDP2)."""
-    torch.manual_seed(0)
-    blocks = [Block(width, hidden) for _ in range(depth)]
-    model = nn.Sequential(nn.Linear(width, width), *blocks, nn.Linear(width, width)).to(device, dtype)
-    if not native:
-        return FullyShardedDataParallel(model, wrap=Block, **options)
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
-    for block in blocks:
-        fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
-def train_step(model, optimizer, x, y) -> float:
-    loss = ((model(x) - y) ** 2).mean()
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
-
 
 def timeline(ledger: Ledger, names: list[str]) -> str:
     """A row per unit, a column per event; '=' while the unit is gathered, '.' while only its shard is."""
@@ -273,8 +252,9 @@ def demo(args) -> int:
     env = launch.setup()
     K, say, g = env.world_size, launch.print0, torch.Generator().manual_seed(env.rank)
     data = [torch.randn(2, 4, 6, generator=g, dtype=torch.float64).to(env.device) for _ in range(args.steps)]
-    ours, native = (make_model(6, 10, 3, torch.float64, env.device, native=n) for n in (False, True))
-    losses = [[train_step(m, opt, x, y) for x, y in data]
+    ours = FullyShardedDataParallel(models.block_stack(6, 10, 3, torch.float64, env.device), wrap=models.Block)
+    native = models.fully_shard_blocks(models.block_stack(6, 10, 3, torch.float64, env.device))
+    losses = [[models.regression_step(m, opt, x, y) for x, y in data]
               for m, opt in ((m, torch.optim.Adam(m.parameters(), lr=0.01)) for m in (ours, native))]
     reference = {n: p.full_tensor() for n, p in native.named_parameters()}
     worst = max([abs(a - b) for a, b in zip(*losses)] +
@@ -285,35 +265,33 @@ def demo(args) -> int:
 
     x, y = (torch.randn(16, args.width, generator=g).to(env.device) for _ in range(2))
     kinds = {"naive": dict(prefetch=False), "prefetch": {}, "kept": dict(reshard_after_forward=False)}
-    models = {k: make_model(args.width, 4 * args.width, args.depth, torch.float32, env.device, **o)
-              for k, o in kinds.items()}
-    steps = {k: partial(train_step, m, torch.optim.Adam(m.parameters(), lr=1e-4), x, y) for k, m in models.items()}
+    stack = lambda: models.block_stack(args.width, 4 * args.width, args.depth, torch.float32, env.device)
+    fsdps = {k: FullyShardedDataParallel(stack(), wrap=models.Block, **o) for k, o in kinds.items()}
+    steps = {k: partial(models.regression_step, m, torch.optim.Adam(m.parameters(), lr=1e-4), x, y)
+             for k, m in fsdps.items()}
     seconds = {k: timing.median(t) for k, t in timing.paired(steps, args.repeats).items()}
-    for k, m in models.items():
+    for k, m in fsdps.items():
         m.ledger.reset()
         steps[k]()  # the step the ledger shows
-    units, N = models["naive"].units, sum(u.numel for u in models["naive"].units)
+    units = fsdps["naive"].units
     full, shards = [u.full.nbytes for u in units], sum(u.shard.nbytes for u in units)  # root first
     formula = {"naive": ("root + 1 unit", full[0] + max(full[1:])), "kept": ("every unit", sum(full)),
                "prefetch": ("root + 2 units", full[0] + max(a + b for a, b in zip(full[1:], full[2:])))}
-    sent = {k: (2 if k == "kept" else 3) * (K - 1) * shards for k in models}  # 3(K-1)/K N' B, kept 2
+    sent = {k: (2 if k == "kept" else 3) * (K - 1) * shards for k in fsdps}  # 3(K-1)/K 4N', kept 2
     say("one step on rank 0 (G all-gather, C compute, R reduce-scatter, F free; = gathered, . shard only)")
     for k in ("naive", "prefetch"):
-        say(f" {k}:\n{timeline(models[k].ledger, [u.name for u in units])}")
-    memory = "memory per rank = N'/K + gathered peak"
-    say(f"{'':9}{'gathers':>8}  {memory:38} {'formula':22} {'bytes sent':>14} {'step':>9}")
-    for k, m in models.items():
-        say(f"{k:9}{m.ledger.count('all-gather', units[1].name):8}  {shards:9} + {m.ledger.peak:9} = "
-            f"{shards + m.ledger.peak:10} B  N'/K + {formula[k][0]:14} {m.ledger.sent:12} B "
-            f"{seconds[k] * 1e3:6.1f} ms")
-    say(f"{'DDP':9}{'':33}{4 * N:10} B  N{'':20} {2 * (K - 1) * 4 * N // K:12} B  (ring all-reduce)")
+        say(f" {k}:\n{timeline(fsdps[k].ledger, [u.name for u in units])}")
+    say(f"\nper rank, rank 0 shown: {'gathers':>8} {'gathered params, peak = formula':>40} {'sent per step':>16} "
+        f"{'step':>9}")
+    for k, m in fsdps.items():
+        say(f"{k:24}{m.ledger.count('all-gather', units[1].name):>8} {m.ledger.peak:>14,} B = {formula[k][0]:16}"
+            f"{m.ledger.sent:>14,} B {seconds[k] * 1e3:6.1f} ms")
+    say("(params, grads and Adam state per rank beside DDP's: ./run.sh demo fsdp_ledger)")
     figure_ok = all(m.ledger.peak == formula[k][1] and m.ledger.sent == sent[k] and m.ledger.gathered == 0
-                    for k, m in models.items())
+                    for k, m in fsdps.items())
     return launch.conclude("fsdp", worst <= allowed, f"= fully_shard (max diff {worst:.0e})", figure_ok,
-                           f"memory N'/K + root + 2 units = {shards + formula['prefetch'][1]} B (naive, + 1 unit: "
-                           f"{shards + formula['naive'][1]} B) vs DDP N = {4 * N} B; sent 3(K-1)/K N' = "
-                           f"{sent['prefetch']} B")
-
+                           f"gathered peak root + 2 units = {formula['prefetch'][1]:,} B (naive root + 1 unit: "
+                           f"{formula['naive'][1]:,} B); sent 3(K-1)/K 4N' = {sent['prefetch']:,} B per rank")
 
 if __name__ == "__main__":
     raise SystemExit(launch.main(parser(), demo))

@@ -16,7 +16,6 @@ tests/test_questions.py runs every measure, so an answer's number cannot drift f
 """
 import atexit
 import contextlib
-import copy
 import datetime
 import math
 import os
@@ -31,15 +30,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 if not __package__:  # run as `python mini_dist/questions.py`: put the repo, not mini_dist/, on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import (activation_checkpoint, checkpoint, comm, compression, context_parallel, cost_model,
-                       ddp, expert_parallel, fsdp, mixed_precision, moe, parallel_transformer,
-                       pipeline, pipeline_bubble, pipeline_schedules, planner, reshard, tensor_parallel, topology,
-                       ulysses, zero)
+from mini_dist import (activation_checkpoint, checkpoint, comm, compression, context_parallel, cost_model, ddp,
+                       expert_parallel, fsdp_ledger, mixed_precision, moe, parallel_transformer, pipeline,
+                       pipeline_bubble, pipeline_schedules, planner, reducer, reshard, sharded_state,
+                       tensor_parallel, topology, ulysses, zero, zero_ledger)
 from mini_dist.kit import debug, launch, models
 from mini_dist.loss_scaling import DynamicLossScaler
 from mini_dist.ring_allreduce import (LEDGER, naive_all_reduce, ring_all_gather, ring_all_reduce,
@@ -88,14 +86,6 @@ def _data(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed), dtype=f64).to(launch.device())
 
 
-def _diff(a, b) -> float:
-    return max((p - q).abs().max().item() for p, q in zip(a, b))
-
-
-def _grads(model) -> list:
-    return [p.grad for p in model.parameters()]
-
-
 # ----------------------------------------------------------------------------- data parallelism
 
 @question(1, "Why average gradients rather than parameters across replicas, and is the result exactly the "
@@ -107,24 +97,7 @@ def _grads(model) -> list:
     only for plain SGD, whose update is linear in the gradient; with momentum or Adam the average of the steps is
     another step.""")
 def gradients_not_parameters():
-    n, r = dist.get_world_size(), dist.get_rank()
-    x, y, mine = _data(4 * n, 8), _data(4 * n, 4, 1), slice(4 * r, 4 * r + 4)  # one global batch, 4 rows each
-    module = models.mlp([8, 16, 4]).to(launch.device())
-    alone, local = copy.deepcopy(module), copy.deepcopy(module)  # one process on the whole batch; a lone replica
-    model = ddp.DistributedDataParallel(module, bucket_cap_mb=0)
-    for m, rows in ((model, mine), (alone, slice(None)), (local, mine)):
-        F.mse_loss(m(x[rows]), y[rows]).backward()
-    grads = _max(_diff(_grads(model), _grads(alone)))
-    for m in (alone, local):
-        torch.optim.Adam(m.parameters(), lr=1e-2).step()
-    with torch.no_grad():
-        for p in local.parameters():
-            dist.all_reduce(p)
-            p /= n
-    weights = _diff(local.parameters(), alone.parameters())
-    return (f"gradients averaged over {n} ranks vs one process on the whole batch: max |diff| {grads:.0e}; weights "
-            f"averaged after each rank's own Adam step: {weights:.0e} away from the full-batch step"), \
-        grads <= 1e-12 and weights > 1e-4
+    return ddp.gradients_vs_parameters()
 
 
 @question(2, "What do buckets buy in DDP, and how much communication hides behind backward?",
@@ -135,21 +108,7 @@ def gradients_not_parameters():
     all-reduce the moment its last gradient lands, while backward computes the earlier layers. How much hides
     depends on how long backward computes per byte; the naive sync after backward hides nothing.""")
 def buckets():
-    widths, x = [64, 256, 256, 256, 16], _data(256, 64, 100 + dist.get_rank())
-    bucketed = ddp.DistributedDataParallel(models.mlp(widths).to(launch.device()), bucket_cap_mb=0.25)
-    naive = ddp.NaiveDataParallel(models.mlp(widths).to(launch.device()))
-    for _ in range(2):  # the first backward warms up, the second is measured
-        bucketed.zero_grad()
-        bucketed(x).square().mean().backward()
-    naive(x).square().mean().backward()
-    naive.sync_gradients()
-    same = _max(_diff(_grads(bucketed), _grads(naive))) <= 1e-12
-    tl = bucketed.timeline
-    early = _max(tl.start[0] - tl.ready[-1]) < 0  # on every rank: bucket 0 left before the last one filled
-    return (f"{len(bucketed.buckets)} buckets of <= 0.25 MiB, last layer first: bucket 0's all-reduce started "
-            f"{(tl.backward_end - tl.start[0]) * 1e3:.1f} ms before backward ended, {tl.overlap():.0%} of the "
-            f"all-reduce time hidden (rank 0); naive, {len(widths) * 2 - 2} all-reduces after backward: "
-            f"{naive.timeline.overlap():.0%}; same gradients: {same}"), early and same and naive.timeline.overlap() == 0
+    return reducer.buckets_hide_communication()
 
 
 @question(3, "How does gradient accumulation work without extra code, and why must the loss be divided by the "
@@ -159,25 +118,7 @@ def buckets():
     mean over all K*B samples: divide each loss by K (or the learning rate by K). Under DDP the first K-1 backward
     passes run inside no_sync(), so the ranks communicate once per optimizer step, not K times.""")
 def accumulation():
-    n, r, K, b = dist.get_world_size(), dist.get_rank(), 4, 2
-    x, y = _data(K * n * b, 8), _data(K * n * b, 4, 1)
-    module = models.mlp([8, 16, 4]).to(launch.device())
-    alone, undivided = copy.deepcopy(module), copy.deepcopy(module)
-    model = ddp.DistributedDataParallel(module, all_reduce=ring_all_reduce)
-    LEDGER.reset()
-    for k in range(K):  # micro-batch k: rows [k*n*b, (k+1)*n*b), rank r's b of them
-        rows, everyone = slice(k * n * b + r * b, k * n * b + (r + 1) * b), slice(k * n * b, (k + 1) * n * b)
-        with model.no_sync() if k < K - 1 else contextlib.nullcontext():
-            (F.mse_loss(model(x[rows]), y[rows]) / K).backward()
-        F.mse_loss(undivided(x[everyone]), y[everyone]).backward()  # one process, the loss not divided
-    F.mse_loss(alone(x), y).backward()
-    diff, D = _max(_diff(_grads(model), _grads(alone))), sum(p.numel() * 8 for p in module.parameters())
-    sent = _sum(LEDGER.sent) / n  # the ring's chunks can differ by an element between ranks; their sum cannot
-    too_big = min(p.grad.norm() / q.grad.norm() for p, q in zip(undivided.parameters(), alone.parameters())).item()
-    return (f"{K} micro-batches x {b} samples x {n} ranks, loss / K: = one process on all {K * n * b} samples to "
-            f"{diff:.0e}, and {sent / D:.2f}D sent per rank = one all-reduce (2(N-1)/N D), not {K}; without / K the "
-            f"gradient is {too_big:.2f}x too large"), diff <= 1e-12 and sent == 2 * (n - 1) / n * D and \
-        abs(too_big - K) < 1e-9
+    return ddp.accumulation_divides_the_loss()
 
 
 @question(4, "What does each rank hold before and after all-reduce, reduce-scatter and all-gather?",
@@ -251,23 +192,8 @@ def all_reduce_is_two_halves():
 
 # ----------------------------------------------------------------------------- sharded data parallelism
 
-def _fsdp_model(**options):
-    """fsdp.py's model (Linear, 3 Blocks, Linear; each Block a unit), fp32, sized to need no padding on 4 ranks,
-    after two Adam steps: its ledger holds the second one, and its gradients are still there."""
-    model = fsdp.FullyShardedDataParallel(models.block_stack(8, 32, 3, torch.float32, launch.device()),
-                                        wrap=models.Block, **options)
-    adam, g = torch.optim.Adam(model.parameters(), lr=1e-3), torch.Generator().manual_seed(dist.get_rank())
-    x, y = (torch.randn(4, 8, generator=g).to(launch.device()) for _ in "xy")
-    for _ in range(2):
-        model.ledger.reset()
-        adam.zero_grad()
-        (model(x) - y).square().mean().backward()
-        adam.step()
-    return model, adam
-
-
 @question(7, "What changes from ZeRO-1 to ZeRO-2 to ZeRO-3, in memory per rank and bytes per step?",
-          "./run.sh demo zero 4", ranks=RANKS, answer="""
+          "./run.sh demo zero_ledger 4", ranks=RANKS, answer="""
     ZeRO-1 shards the optimizer state over the K data-parallel ranks, ZeRO-2 the gradients too, ZeRO-3 (FSDP) the
     weights too (Rajbhandari et al. 2020). With fp32 Adam (4 + 4 + 8 bytes per parameter) that is 16N -> 8N + 8N/K
     -> 4N + 12N/K -> 16N/K per rank; the often-quoted 4N + 12N/K for ZeRO-1 is the mixed-precision count (2 + 2 +
@@ -276,33 +202,11 @@ def _fsdp_model(**options):
     gradients and then gathers the weights, 1.5x (DeepSpeed's reduce-scatters: 1x); ZeRO-3 gathers every weight
     twice, 1.5x.""")
 def zero_stages():
-    K, per_n, sent, exact = dist.get_world_size(), {}, {}, True
-    for stage in (0, 1, 2):
-        model = models.mlp([19, 60, 60], torch.float32).to(launch.device())  # N = 4,860
-        opt = zero.ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage, collectives="ring", lr=1e-2)
-        models.random_batch_steps(model, model, opt, 1)  # Adam's state exists from the first step on
-        LEDGER.reset()
-        models.random_batch_steps(model, model, opt, 1)
-        want, got = zero.memory_formula(stage, opt.partition, 4, 8), zero.memory_ledger(model.parameters(), opt)
-        exact &= [got[c] for c in want] == list(want.values()) and \
-            LEDGER.sent == zero.bytes_sent_formula(stage, opt.partition, 4)
-        per_n[stage], sent[stage] = sum(want.values()) / opt.partition.numel, _sum(LEDGER.sent)
-    model, adam = _fsdp_model()
-    N = sum(u.numel for u in model.units)
-    got = sum(v for c, v in zero.memory_ledger(model.parameters(), adam).items() if c != "scalars")
-    per_n[3], sent[3] = got / N, _sum(model.ledger.sent)
-    exact &= got == 16 * N // K and model.ledger.sent == 3 * (K - 1) * 4 * N // K
-    ratio = {1: sent[1] / sent[0], 2: sent[2] / sent[0], 3: sent[3] / (2 * (K - 1) * 4 * N)}  # 3: vs DDP's ring
-    names = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 (FSDP)"}
-    formulas = {0: "16N", 1: "8N + 8N/K", 2: "4N + 12N/K", 3: "16N/K"}
-    return (f"fp32 Adam, K = {K}, bytes per rank: " + ", ".join(f"{names[s]} {per_n[s]:.2f}N = {formulas[s]}"
-                                                               for s in names)
-            + f" (the mixed-precision ZeRO-1 count 4N + 12N/K would be {4 + 12 / K:.2f}N); sent per step vs DDP: "
-            + ", ".join(f"{names[s]} {ratio[s]:.2f}x" for s in (1, 2, 3))), exact and ratio[2] == 1.0
+    return zero_ledger.stages_memory_and_traffic()
 
 
 @question(8, "Why does FSDP gather the same parameters twice per step, and what would go wrong without the "
-          "second gather?", "./run.sh demo fsdp 4", ranks=RANKS, answer="""
+          "second gather?", "./run.sh demo fsdp_ledger 4", ranks=RANKS, answer="""
     FSDP (Zhao et al. 2023; torch.distributed.fsdp.fully_shard) keeps a 1/K shard of each unit and all-gathers the
     unit just before its forward, then frees it, so about one unit is whole at a time. Backward needs those weights
     again (dL/dx = dL/dy W), so it gathers them a second time. Without the second gather the freed weights would
@@ -310,41 +214,18 @@ def zero_stages():
     in torch): one gather less, but at the turn from forward to backward the whole model is alive on every rank,
     which is the memory FSDP exists to save.""")
 def fsdp_gathers_twice():
-    runs = {name: _fsdp_model(prefetch=False, reshard_after_forward=name == "resharded")[0]
-            for name in ("resharded", "kept")}
-    units = runs["kept"].units
-    full = [u.full.nbytes for u in units]  # the root unit first
-    gathers = {k: m.ledger.count("all-gather", units[1].name) for k, m in runs.items()}
-    peak = {k: int(_max(m.ledger.peak)) for k, m in runs.items()}
-    return (f"per step each of the {len(units) - 1} blocks is all-gathered {gathers['resharded']}x (forward, then "
-            f"again for backward): at most root + 1 block whole, {peak['resharded']:,} B; keeping it after forward: "
-            f"{gathers['kept']} gather, every unit whole at once, {peak['kept']:,} B "
-            f"({peak['kept'] / peak['resharded']:.1f}x)"), \
-        gathers == {"resharded": 2, "kept": 1} and peak == {"resharded": full[0] + max(full[1:]), "kept": sum(full)}
+    return fsdp_ledger.gathers_twice()
 
 
 @question(9, "How does FSDP's traffic compare with DDP's (about 1.5x), and where does the extra half come from?",
-          "./run.sh demo fsdp 4", ranks=RANKS, answer="""
+          "./run.sh demo fsdp_ledger 4", ranks=RANKS, answer="""
     DDP's ring all-reduce of the gradients is a reduce-scatter plus an all-gather: 2(K-1)/K of the model's bytes
     per rank. FSDP keeps the reduce-scatter of the gradients and, instead of gathering gradients, gathers weights,
     once for forward and once more for backward: 3(K-1)/K, 1.5x DDP. The extra half is the backward re-gather, the
     price of never holding the whole model; prefetching the next unit hides it behind compute but does not remove
     it.""")
 def fsdp_traffic():
-    K = dist.get_world_size()
-    sharded, kept = _fsdp_model()[0], _fsdp_model(reshard_after_forward=False)[0]
-    torch.manual_seed(0)  # fsdp's model, bare, under DDP
-    plain = nn.Sequential(nn.Linear(8, 8), *[models.Block(8, 32) for _ in range(3)], nn.Linear(8, 8))
-    replica = ddp.DistributedDataParallel(plain.to(launch.device()), all_reduce=ring_all_reduce)
-    LEDGER.reset()
-    replica(torch.randn(4, 8, device=launch.device())).square().mean().backward()
-    D = sum(p.nbytes for p in plain.parameters())
-    ddp_sent, fsdp_sent, kept_sent = (_sum(s) for s in (LEDGER.sent, sharded.ledger.sent, kept.ledger.sent))
-    return (f"per rank per step, D = {D:,} B of fp32 weights: DDP's ring all-reduce {ddp_sent / K:,.0f} B = "
-            f"2(K-1)/K D; FSDP {fsdp_sent / K:,.0f} B = 3(K-1)/K D (gather for forward, gather again for backward, "
-            f"reduce-scatter): {fsdp_sent / ddp_sent:.2f}x; keeping the weights after forward: "
-            f"{kept_sent / ddp_sent:.2f}x"), ddp_sent == 2 * (K - 1) * D and 2 * fsdp_sent == 3 * ddp_sent and \
-        kept_sent == ddp_sent
+    return fsdp_ledger.traffic_vs_ddp()
 
 
 # ----------------------------------------------------------------------------- tensor and sequence parallelism
@@ -603,19 +484,7 @@ def hierarchical():
     gradient never get through. Error feedback adds what was not sent to the next step's gradient: nothing is lost,
     only delayed.""")
 def powersgd():
-    widths, steps, runs = [32, 32, 32], 20, {"plain": (None, None)}
-    runs.update({f"PowerSGD r=1{ef}": (compression.powerSGD_hook, dict(
-        matrix_approximation_rank=1, start_powerSGD_iter=2, use_error_feedback=ef == " + EF")) for ef in (" + EF", "")})
-    seen = {name: compression.train(widths, hook, state, steps, 0.1) for name, (hook, state) in runs.items()}
-    D = 4 * sum(a * b + b for a, b in zip(widths, widths[1:]))
-    low = 4 * sum(a + b + b for a, b in zip(widths, widths[1:]))  # r(n + m) + the bias, r = 1
-    sent = {name: s[2] for name, s in seen.items()}
-    loss = {name: s[0][-1] for name, s in seen.items()}
-    return (f"two 32 x 32 layers on {dist.get_world_size()} ranks: bytes all-reduced per step plain {sent['plain']:,}, "
-            f"PowerSGD r=1 {sent['PowerSGD r=1']:,} = 4(r(n+m) + bias) per layer ({D / low:.1f}x fewer); test loss "
-            f"after {steps} steps: " + ", ".join(f"{n} {v:.2e}" for n, v in loss.items())), \
-        sent["plain"] == D and sent["PowerSGD r=1"] == sent["PowerSGD r=1 + EF"] == low and \
-        loss["PowerSGD r=1 + EF"] < loss["PowerSGD r=1"]
+    return compression.powersgd_with_and_without_error_feedback()
 
 
 @question(24, "What does a recoverable sharded checkpoint require, and can it load on a different number of "
@@ -641,13 +510,14 @@ def sharded_checkpoint():
     try:
         checkpoint.save(reshard.zero_state(opt), path)  # if it fails, it fails on every rank
         files = sorted(os.listdir(path))
-        sizes, saved = [os.path.getsize(os.path.join(path, f)) for f in files], opt.state_dict(to=None)
+        sizes = [os.path.getsize(os.path.join(path, f)) for f in files]
+        saved = sharded_state.consolidated_state_dict(opt, to=None)
         same, problem = True, None
         if r < K // 2:  # ZeRO-2 on half the ranks, from another initialisation
             try:
                 model2, opt2 = zero_adam(1, 2, half)
                 reshard.load_zero_state(path, opt2, half)
-                again = opt2.state_dict(to=None)
+                again = sharded_state.consolidated_state_dict(opt2, to=None)
                 same = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters())) and all(
                     torch.equal(again["state"][i][k], v) for i, st in saved["state"].items() for k, v in st.items())
             except Exception as e:  # noqa: BLE001  said on every rank: the other half must not wait for it
@@ -683,25 +553,7 @@ def sharded_checkpoint():
     learning rate has to follow, e.g. the linear scaling rule with warm-up (Goyal et al. 2017), and past a critical
     batch size a larger batch stops paying for itself (McCandlish et al. 2018).""")
 def global_batch():
-    r, B, grads = dist.get_rank(), 16, {}
-    x, y = _data(B, 8), _data(B, 4, 1)
-    for n in (1, 2, RANKS):
-        group = launch.new_group(range(n))
-        if r < n:
-            model = ddp.DistributedDataParallel(models.mlp([8, 16, 4]).to(launch.device()), group=group)
-            rows = slice(r * B // n, (r + 1) * B // n)
-            F.mse_loss(model(x[rows]), y[rows]).backward()
-            grads[n] = _grads(model)
-    same = _max(max(_diff(grads[n], grads[1]) for n in grads) if r == 0 else 0)
-    data = torch.randn(4096, 8, generator=torch.Generator().manual_seed(3), dtype=f64)  # least squares, w = 0
-    target = data @ torch.ones(8, dtype=f64) + torch.randn(4096, generator=torch.Generator().manual_seed(4), dtype=f64)
-    per_sample, g = -2 * data * target[:, None], torch.Generator().manual_seed(5)  # each sample's gradient at w = 0
-    noise = {b: torch.stack([(per_sample[torch.randperm(4096, generator=g)[:b]].mean(0) - per_sample.mean(0))
-                             .square().sum() for _ in range(400)]).mean().item() for b in (B, RANKS * B)}
-    return (f"a global batch of {B} as 1 x {B}, 2 x {B // 2} or {RANKS} x {B // RANKS} samples: the same gradient to "
-            f"{same:.0e}; {RANKS} ranks x {B} samples is a global batch of {RANKS * B}: the gradient's noise (mean "
-            f"squared distance from the full-data gradient) falls {noise[B] / noise[RANKS * B]:.1f}x, and an epoch "
-            f"takes {RANKS}x fewer steps"), same <= 1e-12 and 3 < noise[B] / noise[RANKS * B] < 5
+    return ddp.global_batch()
 
 
 @question(26, "Adding GPUs stopped speeding training up: what are the usual culprits, and what does Amdahl's law "

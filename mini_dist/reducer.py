@@ -5,13 +5,11 @@ all-reduce starts the moment its last gradient lands, while backward goes on com
     launch    bucket k goes out once its gradients have all arrived and buckets 0..k-1 have gone out
     hidden    |time an all-reduce was in flight before backward ended|  /  |time one was in flight|
 
-Why buckets: an all-reduce costs a latency plus a time per byte, so one per gradient pays the latency
-once per parameter, while one bucket for the whole model cannot start before backward ends (nothing
-hidden). Why reverse order: backward produces the gradients roughly from the last layer to the first.
-Why strictly in bucket order: every rank must issue the same collectives in the same order, even when
-its gradients arrive in another order. A blocking all-reduce (ring_all_reduce) runs on one background
-thread, so backward goes on meanwhile. A communication hook (register_comm_hook, torch's signature)
-replaces each bucket's all-reduce and sees the bucket through torch's GradBucket interface.
+Why buckets: an all-reduce costs a latency plus a time per byte; one per gradient pays the latency per
+parameter, one for the whole model cannot start before backward ends. Why reverse order: backward
+produces the gradients roughly last layer first. Why strictly in bucket order: every rank must issue the
+same collectives in the same order, even when its gradients arrive in another. A blocking all-reduce
+(ring_all_reduce) runs on a background thread; a communication hook replaces each bucket's all-reduce.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/reducer.py [--bucket-cap-mb 0 0.25 1]
 
@@ -26,11 +24,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/reducer.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch
+from mini_dist.kit import launch, models
 from mini_dist.ring_allreduce import ring_all_reduce
 
 
@@ -47,7 +44,6 @@ class Bucket:
     future: object = None  # the all-reduce in flight: its tensor is the reduced bucket
     done: object = None    # completes once the finish time is recorded (even if the all-reduce failed)
 
-    # torch.distributed.GradBucket's interface, which communication hooks (torch's own too) call
     def index(self) -> int: return self.k
     def buffer(self) -> torch.Tensor: return self.flat
     def gradients(self) -> list: return self.views
@@ -76,9 +72,8 @@ def build_buckets(params: list, cap_bytes: float, first_cap_bytes: float | None 
 
 class Reducer:
     """Inside every synced backward: copy each gradient (times 1/N) into its bucket as it lands, all-reduce
-    full buckets in order, and when autograd is done, wait for them and write the averages into .grad.
-    The arguments are DistributedDataParallel's (mini_dist/ddp.py, which explains them), plus params (the
-    trainable parameters, in model order) and names (parameter -> name, for the errors)."""
+    full buckets in order, and when autograd is done, wait for them and write the averages into .grad. The
+    arguments are DDP's (mini_dist/ddp.py), plus the trainable params in model order and their names."""
 
     def __init__(self, params: list, names: dict, buckets: list[Bucket], group=None, all_reduce=dist.all_reduce,
                  gradient_as_bucket_view: bool = False, find_unused_parameters: bool = False):
@@ -114,6 +109,9 @@ class Reducer:
         self._fill(p)
 
     def _fill(self, p: torch.Tensor) -> None:
+        """The bucket-ready hook: p's gradient goes into its slot of its bucket (times 1/N); once the bucket
+        is full, every bucket that is full goes out, in bucket order (buckets 0..k-1 before bucket k)."""
+        # exercise: copy p.grad / N into bucket.views[i]; when bucket.pending hits 0, _launch each full bucket in order
         bucket, i = self.slot[p]
         if p.grad is None:
             bucket.views[i].zero_()
@@ -124,25 +122,27 @@ class Reducer:
         bucket.pending -= 1
         if bucket.pending == 0:
             self.timeline.ready[bucket.k] = time.perf_counter()
-            self._launch_ready_buckets()
-
-    def _launch_ready_buckets(self) -> None:
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
-            bucket, finish = self.buckets[self.next_bucket], self.timeline.finish
-            self.timeline.start.append(time.perf_counter())
-            finish.append(None)
-            self.timeline.bytes += bucket.flat.nbytes
-            try:
-                if self.hook:
-                    bucket.future = self.hook(self.hook_state, bucket)
-                elif self.all_reduce is dist.all_reduce:
-                    bucket.future = dist.all_reduce(bucket.flat, group=self.group, async_op=True).get_future()
-                else:
-                    bucket.future = launch_on_comm_thread(self.all_reduce, bucket.flat, self.group)
-            except Exception as e:
-                raise self._failed(bucket, e) from e
-            bucket.done = bucket.future.then(lambda _, k=bucket.k: finish.__setitem__(k, time.perf_counter()))
+            self._launch(self.buckets[self.next_bucket])
             self.next_bucket += 1
+        # end exercise
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start the bucket's all-reduce (or the communication hook) without waiting for it."""
+        finish = self.timeline.finish
+        self.timeline.start.append(time.perf_counter())
+        finish.append(None)
+        self.timeline.bytes += bucket.flat.nbytes
+        try:
+            if self.hook:
+                bucket.future = self.hook(self.hook_state, bucket)
+            elif self.all_reduce is dist.all_reduce:
+                bucket.future = dist.all_reduce(bucket.flat, group=self.group, async_op=True).get_future()
+            else:
+                bucket.future = launch_on_comm_thread(self.all_reduce, bucket.flat, self.group)
+        except Exception as e:
+            raise self._failed(bucket, e) from e
+        bucket.done = bucket.future.then(lambda _, k=bucket.k: finish.__setitem__(k, time.perf_counter()))
 
     def _failed(self, bucket: Bucket, error: Exception) -> RuntimeError:
         return RuntimeError(f"DistributedDataParallel on rank {self.rank}: the all-reduce of bucket {bucket.k} "
@@ -190,9 +190,8 @@ _comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mini_dist-d
 
 
 def launch_on_comm_thread(all_reduce, tensor: torch.Tensor, group) -> torch.futures.Future:
-    """A blocking all-reduce (ring_all_reduce) made asynchronous on one background thread, so backward
-    goes on meanwhile. One thread, first in first out: buckets go out in launch order, the same order on
-    every rank, as matching collectives need (several threads could interleave two buckets' sends)."""
+    """A blocking all-reduce (ring_all_reduce) made asynchronous on one background thread, first in first
+    out: buckets go out in launch order on every rank (several threads could interleave two buckets)."""
     future = torch.futures.Future()
 
     def work():
@@ -216,8 +215,7 @@ class Timeline:
 
     def overlap(self) -> float:
         """Fraction of the time an all-reduce was in flight that passed before backward ended (hidden)."""
-        total = hidden = 0.0
-        reach = float("-inf")
+        total, hidden, reach = 0.0, 0.0, float("-inf")
         for s, f in sorted(zip(self.start, self.finish)):
             s = max(s, reach)  # time covered by several all-reduces counts once
             if f > s:
@@ -243,48 +241,59 @@ class Timeline:
 
 # ----------------------------------------------------------------------------- demo
 
+def buckets_hide_communication(cap_mb: float = 0.25, widths=(64, 256, 256, 256, 16), batch: int = 256,
+                               ring: bool = False, picture: bool = False) -> tuple[str, bool]:
+    """Two backwards of models.mlp(widths), buckets of cap_mb MiB: bucket 0 goes out while backward computes;
+    buckets = torch's, .grad = the naive sync's mean. Collective: every rank of the default group, own batch."""
+    x = torch.randn(batch, widths[0], generator=torch.Generator().manual_seed(100 + dist.get_rank()),
+                    dtype=torch.float64).to(launch.device())
+    model = models.mlp(widths).to(launch.device())  # seed 0: the same model on every rank
+    names = {p: name for name, p in model.named_parameters()}
+    params = list(names)
+    mean = torch.autograd.grad(model(x).square().mean(), params)  # .grad untouched: no hook fires
+    for g in mean:  # the naive sync: one all-reduce per gradient, once backward has ended
+        dist.all_reduce(g)
+        g /= dist.get_world_size()
+    buckets = build_buckets(params, int(cap_mb * 2 ** 20))
+    torchs, _ = dist._compute_bucket_assignment_by_size(params[::-1], [int(cap_mb * 2 ** 20)])
+    same = [[params[::-1][i] for i in b] for b in torchs] == [b.params for b in buckets]
+    reducer = Reducer(params, names, buckets, all_reduce=ring_all_reduce if ring else dist.all_reduce)
+    for _ in range(2):  # the first backward warms up, the second is shown
+        model.zero_grad()
+        model(x).square().mean().backward()
+    # fp64: (1/N)x + (1/N)y against (x + y)/N, the same sum rounded otherwise: a few ulps apart
+    same &= all((p.grad - g).abs().max() <= 1e-12 * g.abs().max() for p, g in zip(params, mean))
+    tl = reducer.timeline
+    early = torch.tensor([tl.start[0] - tl.ready[-1]], dtype=torch.float64, device=launch.device())
+    dist.all_reduce(early, op=dist.ReduceOp.MAX)  # on every rank: bucket 0 left before the last one filled
+    return (f"{len(buckets)} buckets of <= {cap_mb:g} MiB, last layer first ("
+            + " | ".join(" ".join(names[p] for p in b.params) for b in buckets) + f"): bucket 0's all-reduce "
+            f"started {(tl.backward_end - tl.start[0]) * 1e3:.1f} ms before backward ended, {tl.overlap():.0%} "
+            f"of the all-reduce time hidden (rank 0); the naive sync, {len(names)} all-reduces after backward, "
+            f"hides 0%; buckets = torch's, gradients = the naive sync's: {same}"
+            + (f"\n{tl.picture()}" if picture else "")), same and (len(buckets) == 1 or early.item() < 0)
+
 
 def parser():
     p = launch.demo_parser(__doc__)
     p.add_argument("--bucket-cap-mb", type=float, nargs="+", default=[0, 0.25, 1], help="bucket caps, MiB")
-    p.add_argument("--widths", type=int, nargs="+", default=[64, 256, 256, 256, 16], help="MLP layer widths")
+    p.add_argument("--widths", type=int, nargs="+", default=[64, 256, 256, 256, 16], help="MLP widths")
     p.add_argument("--batch", type=int, default=256, help="samples per rank: more makes backward longer")
     p.add_argument("--ring", action="store_true", help="all-reduce with ring_all_reduce, not gloo/NCCL's")
     return p
 
 
 def demo(args) -> int:
-    w = args.widths
+    w, every = args.widths, True
     launch.require(len(w) >= 2 and min(w) >= 1 and min(args.bucket_cap_mb) >= 0 and args.batch >= 1,
                    "--widths needs two or more sizes >= 1, --bucket-cap-mb caps >= 0, --batch >= 1")
-    env, same, early = launch.setup(), True, True
-    x = torch.randn(args.batch, w[0], generator=torch.Generator().manual_seed(env.rank), dtype=torch.float64)
+    launch.setup()
     for cap in args.bucket_cap_mb:
-        torch.manual_seed(0)  # the same model on every rank, each rank its own batch x
-        model = nn.Sequential(*[m for a, b in zip(w, w[1:]) for m in (nn.Linear(a, b), nn.Tanh())][:-1])
-        model, x = model.to(env.device, torch.float64), x.to(env.device)
-        names = {p: name for name, p in model.named_parameters()}
-        params = list(names)
-        mean = torch.autograd.grad(model(x).square().mean(), params)  # .grad untouched: no hook fires
-        for g in mean:
-            dist.all_reduce(g)
-            g /= env.world_size
-        buckets = build_buckets(params, int(cap * 2 ** 20))
-        torchs, _ = dist._compute_bucket_assignment_by_size(params[::-1], [int(cap * 2 ** 20)])
-        same &= [[params[::-1][i] for i in b] for b in torchs] == [b.params for b in buckets]
-        reducer = Reducer(params, names, buckets, all_reduce=ring_all_reduce if args.ring else dist.all_reduce)
-        for _ in range(2):  # the first backward warms up, the second is shown
-            model.zero_grad()
-            model(x).square().mean().backward()
-        # fp64: (1/N)x + (1/N)y against (x + y)/N, the same sum rounded otherwise: a few ulps apart
-        same &= all((p.grad - g).abs().max() <= 1e-12 * g.abs().max() for p, g in zip(params, mean))
-        tl = reducer.timeline
-        early &= len(buckets) == 1 or tl.start[0] < tl.ready[-1]  # bucket 0 left before the last was full
-        launch.print0(f"\ncap {cap:g} MiB: {len(buckets)} buckets, {100 * tl.overlap():.0f}% of the all-reduce "
-                      f"time hidden behind backward\n  "
-                      + " | ".join(" ".join(names[p] for p in b.params) for b in buckets) + f"\n{tl.picture()}")
-    return launch.conclude("reducer", same, "buckets = torch's assignment; .grad = the ranks' mean gradient",
-                           early, "bucket 0 launched before the last bucket's gradients existed")
+        figure, holds = buckets_hide_communication(cap, w, args.batch, args.ring, picture=True)
+        launch.print0(f"\ncap {cap:g} MiB: {figure}")
+        every &= holds
+    return launch.conclude("reducer", every, "buckets = torch's assignment; .grad = the naive sync's mean gradient",
+                           every, "bucket 0's all-reduce launched before the last bucket's gradients existed")
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ per parameter. So, per state tensor:
                   spans (the last K*S - N elements are padding and vanish)
     load:         lay each parameter's tensor at its span in a flat vector, keep my [r*S, (r+1)*S)
 
-A consolidated checkpoint holds b*N bytes per state tensor and can be loaded at any world size and any
-stage (or by a plain optimizer); each rank's own shard holds b*S = b*N/K bytes and needs no
-communication to save, but loads only into the same rank of the same partition (same model, K, stage).
+A consolidated checkpoint (consolidated_state_dict(zero, to), load_consolidated_state_dict(zero, state,
+src)) holds b*N bytes per state tensor and loads at any world size and any stage, or into a plain
+optimizer; each rank's own shard (shard_state_dict(zero), load_shard_state_dict(zero, shard)) holds
+b*S = b*N/K bytes and needs no communication, but loads only into the same rank of the same partition.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/sharded_state.py [--stage 2] [--steps 2]
 
@@ -28,17 +29,8 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/sharded_state.py`: Python put mini_dist/ on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch
-
-
-def settings(group: dict) -> dict:
-    """A param group's settings (lr, betas, ...): everything but the parameters themselves."""
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
-
-
-def copy_settings(src: list, dst: list) -> None:
-    for s, d in zip(src, dst):
-        d.update(settings(s))
+from mini_dist.kit import launch, models
+from mini_dist.zero import ZeroOptimizer, copy_settings, settings
 
 
 def per_element(value) -> bool:
@@ -176,37 +168,38 @@ def parser():
 
 
 def demo(args) -> int:
-    from mini_dist.zero import build, train
     launch.require(args.steps >= 1 and len(args.widths) >= 2 and min(args.widths) >= 1,
                    "--steps must be >= 1 and --widths two or more numbers >= 1")
     k, w = launch.setup().world_size, args.widths
-    first = build("mini zero", w, torch.float32, args.stage)
-    train(*first, args.steps)
-    zero = first[2]
-    whole, shard = zero.state_dict(to=0), zero.shard_state_dict()
+
+    def zero(stage):  # the same model on every rank; each rank steps its own batches
+        model = models.mlp(w, torch.float32).to(launch.device())
+        return model, ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage=stage, lr=1e-2)
+    first, zero1 = zero(args.stage)
+    models.random_batch_steps(first, first, zero1, args.steps)
+    whole, shard = consolidated_state_dict(zero1, to=0), shard_state_dict(zero1)
     sizes = torch.tensor([saved_bytes(shard), saved_bytes(whole) if whole else 0], device=launch.device())
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX)  # the largest shard; the consolidated dict (rank 0's)
-    resumed = build("mini zero", w, torch.float32, 1 if args.stage != 1 else 2)  # another stage, same K
-    resumed[0].load_state_dict(first[0].state_dict())
-    resumed[2].load_state_dict(whole, src=0)  # only rank 0 holds it: broadcast, each rank keeps its slice
-    for run in (first, resumed):
-        train(*run, args.steps)
-    same = all(torch.equal(p, q) for p, q in zip(first[0].parameters(), resumed[0].parameters()))
-    plain = torch.optim.Adam(first[0].parameters(), lr=1e-2)
+    resumed, zero2 = zero(1 if args.stage != 1 else 2)  # another stage, same K
+    resumed.load_state_dict(first.state_dict())
+    load_consolidated_state_dict(zero2, whole, src=0)  # only rank 0 holds it: broadcast, each keeps its slice
+    for model, opt in ((first, zero1), (resumed, zero2)):
+        models.random_batch_steps(model, model, opt, args.steps)
+    same = all(torch.equal(p, q) for p, q in zip(first.parameters(), resumed.parameters()))
+    plain = torch.optim.Adam(first.parameters(), lr=1e-2)
     if whole is not None:
         plain.load_state_dict(whole)  # a plain optimizer takes the consolidated dict as it is
-    n, S = zero.partition.numel, zero.partition.shard_size
-    b = 4 * sum(per_element(v) for v in zero.optimizer.state[zero.slices[0]].values())  # bytes per element
-    launch.print0(f"ZeRO-{args.stage} Adam, K={k}, N={n:,}, S={S:,}, {b} B of per-element state per element\n"
-                  f"saved bytes: consolidated {sizes[1].item():,} (b*N = {b * n:,} + the format), the largest "
-                  f"shard of a rank {sizes[0].item():,} (b*S = {b * S:,} + the format)\n"
-                  f"resumed from the consolidated dict at stage {resumed[2].stage}: {args.steps} more steps "
+    n, S = zero1.partition.numel, zero1.partition.shard_size
+    b = 4 * sum(per_element(v) for v in zero1.optimizer.state[zero1.slices[0]].values())  # bytes per element
+    launch.print0(f"ZeRO-{args.stage} Adam, K = {k}, N = {n:,}, S = {S:,}, {b} B of per-element state per element\n"
+                  f"saved bytes: consolidated {sizes[1].item():,} B (b*N = {b * n:,} + the format), the largest "
+                  f"shard of a rank {sizes[0].item():,} B (b*S = {b * S:,} + the format)\n"
+                  f"resumed from the consolidated dict at stage {zero2.stage}: {args.steps} more steps "
                   f"{'bit for bit equal to' if same else 'DIFFERENT from'} never stopping; a plain "
                   f"torch.optim.Adam loads it too")
     return launch.conclude("sharded_state", same, "resumed at another stage = never stopped, bit for bit",
                            sizes[0] <= sizes[1] // k + 4096, f"shard {sizes[0].item():,} B vs consolidated "
-                           f"{sizes[1].item():,} B (K={k})")
-
+                           f"{sizes[1].item():,} B (K = {k})")
 
 if __name__ == "__main__":
     raise SystemExit(launch.main(parser(), demo))

@@ -62,7 +62,8 @@ from mini_dist.parallel_gpt import configuration_error as model_error
 from mini_dist.pipeline import HEADER_LEN, pipeline_step
 from mini_dist.pipeline_schedules import SCHEDULES, balanced_split, pipeline_chunks
 from mini_dist.ring_allreduce import LEDGER, ring_all_reduce
-from mini_dist.zero import ZeroOptimizer, memory_ledger
+from mini_dist.zero import ZeroOptimizer
+from mini_dist.zero_ledger import memory_ledger
 
 DP_BUCKET_MB = 1 / 32  # 32 KiB: a few buckets per stage of the tiny GPT
 AXES = ("dp", "pp", "cp", "tp", "ep")

@@ -1,23 +1,14 @@
-"""ZeRO stages 1 and 2: shard the optimizer state (and the gradients) so memory per rank shrinks with K.
+"""ZeRO stages 1 and 2: each of K data-parallel ranks keeps the optimizer state (stage 1) and the averaged
+gradient (stage 2) of only its 1/K of the parameters, and all ranks still take the same step as DDP.
 
-Data parallelism keeps K full replicas. With fp32 Adam a parameter costs 4 bytes of weight, 4 of gradient
-and 8 of optimizer state (exp_avg, exp_avg_sq): 16N bytes per rank for N parameters. ZeRO (Rajbhandari
-et al., 2020) flattens the parameters into one vector, pads it to Psi = K*S elements, and gives rank r
-the shard [r*S, (r+1)*S): rank r keeps optimizer state only for its shard (stage 1, P_os) and, in stage 2
-(P_os+g), only its shard of the averaged gradient. Memory per rank (N/K means S; N counts the padding):
+Flatten the parameters into one vector, pad it to Psi = K*S elements, and give rank r the shard
+[r*S, (r+1)*S) (Rajbhandari et al., 2020). One step:
 
-    stage            fp32 Adam        half params + fp32 master weights (the paper's 2 + 2 + 12 bytes)
-    0 (DDP)          16N              16N
-    1 (ZeRO-1)       8N + 8N/K        4N + 12N/K
-    2 (ZeRO-2)       4N + 12N/K       2N + 14N/K
+    ZeRO-1    all-reduce the gradient -> step my shard (Adam state for it alone) -> all-gather the shards
+    ZeRO-2    reduce-scatter the gradient (rank r receives the mean of shard r only) -> step -> all-gather
 
-One step: reduce-scatter the flat gradient (rank r receives the average of shard r); stages 0 and 1
-all-gather it back (reduce-scatter + all-gather = all-reduce: every replica keeps the full average, as
-DDP does), stage 2 frees the full gradients instead; step the own shard; all-gather the updated shards.
-Each ring reduce-scatter or all-gather sends (K-1)*S*b bytes per rank (b bytes per element), so a step
-sends 2(K-1)S*b (DDP), 3(K-1)S*b (ZeRO-1) and 2(K-1)S*b (ZeRO-2). ZeRO-2 moves exactly as much as DDP,
-not less: the reduce-scatter saves half of the all-reduce and the parameter all-gather spends it again
-(the paper, Sec. 7.2.1: Psi + Psi = 2 Psi, as in DP).
+fp32 Adam: 16N bytes per rank for DDP, 8N + 8N/K for ZeRO-1, 4N + 12N/K for ZeRO-2, and ZeRO-2 sends
+exactly what DDP sends (mini_dist/zero_ledger.py measures both). Checkpoints: mini_dist/sharded_state.py.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/zero.py [--steps 3] [--widths 19 60 60]
 
@@ -25,105 +16,120 @@ Mirrors torch.distributed.optim.ZeroRedundancyOptimizer (stage 1, sharded by who
 DeepSpeed's ZeRO stages 1 and 2 (flat, padded, equal shards, as here).
 """
 import sys
-from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/zero.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import sharded_state
-from mini_dist.kit import launch
-from mini_dist.ring_allreduce import LEDGER, ring_all_gather, ring_reduce_scatter
-from mini_dist.sharded_state import copy_settings, settings
+from mini_dist.flat_param import Partition, flatten_into_buffer
+from mini_dist.kit import launch, models
+from mini_dist.ring_allreduce import ring_all_gather, ring_reduce_scatter
 
-HALF = (torch.float16, torch.bfloat16)
-PASSES = {0: 2, 1: 3, 2: 2}  # ring passes of (K-1)*S*b bytes per step: reduce-scatter, all-gathers
-
-
-@dataclass(frozen=True)
-class Partition:
-    """Where each parameter sits in the flat vector, and which slice [lo, hi) of it each rank owns."""
-    names: tuple
-    shapes: tuple
-    world_size: int
-
-    @property
-    def spans(self) -> list:
-        ends = list(accumulate(s.numel() for s in self.shapes))
-        return [(end - s.numel(), end) for end, s in zip(ends, self.shapes)]
-
-    @property
-    def numel(self) -> int:
-        return sum(s.numel() for s in self.shapes)
-
-    @property
-    def shard_size(self) -> int:
-        return -(-self.numel // self.world_size)  # S = ceil(N / K)
-
-    @property
-    def padded_numel(self) -> int:
-        return self.world_size * self.shard_size  # Psi: at most K-1 zeros of padding at the end
-
-    def shard(self, rank: int) -> tuple:
-        return rank * self.shard_size, (rank + 1) * self.shard_size
-
-    def pieces(self, rank: int) -> list:
-        """(name, start, stop) of every parameter slice that falls into rank's shard."""
-        lo, hi = self.shard(rank)
-        return [(n, max(lo, a) - a, min(hi, b) - a) for n, (a, b) in zip(self.names, self.spans)
-                if a < hi and b > lo]
-
-    def __str__(self) -> str:
-        pad = self.padded_numel - self.numel
-        lines = [f"partition of N={self.numel:,} elements over K={self.world_size} ranks: "
-                 f"shard S={self.shard_size:,}, padding {pad}"]
-        for r in range(self.world_size):
-            lo, hi = self.shard(r)
-            tail = f" + {min(pad, hi - lo)} padding" if hi > self.numel else ""
-            parts = " ".join(f"{n}[{a}:{b}]" for n, a, b in self.pieces(r))
-            lines.append(f"  rank {r}: [{lo}, {hi}) {parts}{tail}")
-        return "\n".join(lines)
+def zero1_step(flat: torch.Tensor, grad: torch.Tensor, step_shard, group=None, collectives: str = "native"):
+    """One ZeRO-1 step. flat: the parameters as one vector of K*S elements, the same on every rank; grad:
+    this rank's gradient of it, divided by K; step_shard(shard, shard_grad) updates my S elements of flat
+    in place, keeping optimizer state for them alone. Returns the mean gradient, whole (as DDP keeps it)."""
+    # exercise: all-reduce grad, step_shard(my slice [r*S, (r+1)*S) of flat, of grad), all-gather the slices
+    c = COLLECTIVES[collectives]
+    K, r = dist.get_world_size(group), dist.get_rank(group)
+    S = flat.numel() // K
+    mine = slice(r * S, (r + 1) * S)
+    c.all_reduce(grad, group)              # (K*S,) the sum of the ranks' grad / K: the mean gradient
+    step_shard(flat[mine], grad[mine])     # (S,) only my shard moves; its Adam state is all I keep
+    c.all_gather(flat, group)              # (K*S,) shard q from rank q, for every q: the same model again
+    return grad
+    # end exercise
 
 
-def flatten_into_buffer(params: list, partition: Partition) -> torch.Tensor:
-    """One padded flat vector; each parameter becomes a view of it: writing the vector updates the model."""
-    flat = torch.zeros(partition.padded_numel, dtype=params[0].dtype, device=params[0].device)
-    for p, (a, b) in zip(params, partition.spans):
-        flat[a:b].copy_(p.detach().reshape(-1))
-        p.data = flat[a:b].view_as(p)
-    return flat
+def zero2_step(flat: torch.Tensor, grad: torch.Tensor, step_shard, group=None, collectives: str = "native"):
+    """ZeRO-2: the same step with a reduce-scatter for the all-reduce. Rank r receives the mean of its own
+    shard only, so no rank ever holds the whole mean gradient. Returns that shard."""
+    c = COLLECTIVES[collectives]
+    K, r = dist.get_world_size(group), dist.get_rank(group)
+    S = flat.numel() // K
+    shard = c.reduce_scatter(grad, group)  # (S,) the mean of my shard; half an all-reduce's bytes
+    step_shard(flat[r * S:(r + 1) * S], shard)
+    c.all_gather(flat, group)              # the other half, spent on the parameters instead
+    return shard
 
 
-def _problem(params: list, stage: int, collectives: str):
-    """What is wrong with this rank's arguments (None if nothing), to be shared before anyone blocks."""
-    if stage not in (0, 1, 2):
-        return f"stage must be 0 (DDP), 1 (shard optimizer state) or 2 (also gradients), got {stage}"
-    if collectives not in ("native", "ring"):
-        return f"collectives must be 'native' or 'ring', got {collectives!r}"
-    if not params or len({(p.dtype, p.device) for p in params}) > 1:
-        return (f"need parameters that require grad, all of one dtype and device; got "
-                f"{sorted({f'{p.dtype}/{p.device}' for p in params})}")
-    return None
+# ----------------------------------------------------------------------------- the collectives
+
+
+def _my_shard(flat: torch.Tensor, group) -> torch.Tensor:  # (S,) a view of slice r of the K*S elements
+    return flat.chunk(dist.get_world_size(group))[dist.get_rank(group)]
+
+
+def _native_reduce_scatter(grad: torch.Tensor, group) -> torch.Tensor:
+    if dist.get_backend(group) == "gloo":  # gloo's reduce_scatter is an all-reduce and a copy: same bits
+        dist.all_reduce(grad, group=group)
+        return _my_shard(grad, group).clone()
+    shard = grad.new_empty(grad.numel() // dist.get_world_size(group))
+    dist.reduce_scatter_single(shard, grad, group=group)
+    return shard
+
+
+def _native_all_gather(flat: torch.Tensor, group) -> None:
+    # K broadcasts, each shard from its owner, as ZeroRedundancyOptimizer does: the bytes of
+    # all_gather_single, which gloo runs slower (mini_dist/bench/data_parallel.py prints both)
+    S = flat.numel() // dist.get_world_size(group)
+    works = [dist.broadcast(flat[q * S:(q + 1) * S], group=group, group_src=q, async_op=True)
+             for q in range(dist.get_world_size(group))]
+    for work in works:
+        work.wait()
+
+
+def _ring_reduce_scatter(grad: torch.Tensor, group) -> torch.Tensor:
+    shard = grad.new_empty(grad.numel() // dist.get_world_size(group))
+    ring_reduce_scatter(shard, grad, group=group)
+    return shard
+
+
+def _ring_all_gather(flat: torch.Tensor, group) -> None:  # a copy: the input must not alias the output
+    ring_all_gather(flat, _my_shard(flat, group).clone(), group=group)
+
+
+def _ring_all_reduce(grad: torch.Tensor, group) -> None:  # reduce-scatter + all-gather: stage 2's bits
+    _my_shard(grad, group).copy_(_ring_reduce_scatter(grad, group))
+    _ring_all_gather(grad, group)
+
+
+COLLECTIVES = {  # "ring": mini_dist/ring_allreduce.py, whose LEDGER counts every byte
+    "native": SimpleNamespace(all_reduce=lambda grad, group: dist.all_reduce(grad, group=group),
+                              reduce_scatter=_native_reduce_scatter, all_gather=_native_all_gather),
+    "ring": SimpleNamespace(all_reduce=_ring_all_reduce, reduce_scatter=_ring_reduce_scatter,
+                            all_gather=_ring_all_gather)}
+
+
+# ----------------------------------------------------------------------------- the optimizer
+
+
+def settings(group: dict) -> dict:
+    """A param group's settings (lr, betas, ...): everything but the parameters themselves."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def copy_settings(src: list, dst: list) -> None:
+    for s, d in zip(src, dst):
+        d.update(settings(s))
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
     """Any element-wise torch.optim optimizer (SGD, Adam, AdamW, ...), sharded: stage 0 = plain data
-    parallel, 1 shards its state, 2 also the gradients. A torch.optim.Optimizer itself: parameter groups
-    ([{"params": ..., "weight_decay": 0}, ...]) and LR schedulers work, as with ZeroRedundancyOptimizer.
+    parallel, 1 shards its state (zero1_step), 2 also the gradients (zero2_step). A torch.optim.Optimizer
+    itself: parameter groups and LR schedulers work, as with ZeroRedundancyOptimizer.
 
-    The parameters that require grad (of one dtype and device) become views of one flat padded vector,
-    group after group, so that each rank's shard is one slice of it and the updated shards are gathered
-    straight into the model (ZeroRedundancyOptimizer does the same with parameters_as_bucket_view=True).
-    They stay the model's parameters, usable as before; replacing one's .data later (p.data = ..., or
-    model.to(...)) would detach it from the optimizer, so step() refuses it. Half-precision parameters
-    get an fp32 master copy of the own shard, which the optimizer steps. A parameter without a gradient
-    counts as a zero gradient. collectives: "native" (torch.distributed) or "ring" (ring_allreduce, whose
-    LEDGER counts every byte). Wrap the bare model, not a DDP one: step() averages the gradients itself.
-    Stage 2 frees the full gradients once backward has made them all; real ZeRO-2 reduce-scatters bucket
-    by bucket during backward, so that they never all exist at once.
+    The parameters that require grad (one dtype and device) become views of one flat padded vector, group
+    after group: each rank's shard is one slice of it, and the updated shards are gathered straight into
+    the model. Replacing a parameter's .data later (model.to(...)) would detach it, so step() refuses it.
+    Half-precision parameters get an fp32 master copy of the own shard, which the optimizer steps. A
+    missing gradient counts as zeros. collectives: "native" (torch.distributed) or "ring". Wrap the bare
+    model, not a DDP one. Stage 2 frees the full gradients once backward has made them all (real ZeRO-2
+    reduce-scatters bucket by bucket during backward).
     """
 
     def __init__(self, params, optimizer_class, stage: int = 1, group=None, collectives: str = "native",
@@ -137,26 +143,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  for n, p in zip(g.get("param_names") or [None] * len(g["params"]), g["params"])]
         named = [(n or f"p{i}", p) for i, (n, p) in enumerate(named) if p.requires_grad]
         self.params = [p for _, p in named]
-        # Every rank learns every rank's problems and model size first: all raise together, none hangs.
         sizes = [sum(p.numel() for p in g["params"] if p.requires_grad) for g in self.param_groups]
-        mine = (_problem(self.params, stage, collectives), sum(sizes), len(named), stage, sizes)
-        everyone = [None] * world
-        dist.all_gather_object(everyone, mine, group=group)
-        for r, (problem, *model) in enumerate(everyone):
-            if problem:
-                raise ValueError(f"rank {r}: {problem}")
-            if tuple(model) != everyone[0][1:]:
-                (n0, p0, s0, g0), (n, p, s, g) = everyone[0][1:], model
-                raise ValueError(f"ranks disagree: rank 0 has {n0} elements in {p0} parameters (stage {s0}, "
-                                 f"groups {g0}), rank {r} has {n} in {p} (stage {s}, groups {g}); pass the "
-                                 f"same model, groups and stage")
+        _agree(self.params, stage, collectives, (sum(sizes), len(named), stage, sizes), group)
         self.partition = Partition(tuple(n for n, _ in named), tuple(p.shape for p in self.params), world)
         self.span = dict(zip(self.params, self.partition.spans))
         self.flat = flatten_into_buffer(self.params, self.partition)
         self.lo, self.hi = (0, self.partition.padded_numel) if stage == 0 else self.partition.shard(self.rank)
         own = self.flat[self.lo:self.hi]
-        # The paper's K = 12 bytes: for half params the optimizer steps fp32 master weights of the shard.
-        self.has_master = own.dtype in HALF
+        self.has_master = own.dtype in (torch.float16, torch.bfloat16)  # fp32 master weights of the shard
         self.master = own.float() if self.has_master else own
         # Each group is one stretch of the flat vector (the padding joins the last): its part of my shard
         # is one slice, which the inner optimizer steps with the group's settings.
@@ -166,9 +160,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.slices = [self.master[a:b] for a, b in self.ranges]
         self.optimizer = optimizer_class([{**settings(g), "params": [s]} for g, s in zip(self.param_groups,
                                                                                         self.slices)], **defaults)
-        self.defaults.update(self.optimizer.defaults)  # the inner optimizer's defaults (betas, ...): schedulers
-        copy_settings(self.optimizer.param_groups, self.param_groups)  # read them here
-        self.grad = None  # the averaged gradient kept after a step: full (stages 0, 1) or own shard (2)
+        self.defaults.update(self.optimizer.defaults)  # the inner optimizer's defaults: schedulers read them
+        copy_settings(self.optimizer.param_groups, self.param_groups)
+        self.grad = None  # the mean gradient kept after a step: whole (stages 0, 1) or my shard (2)
 
     def add_param_group(self, param_group: dict) -> None:
         if hasattr(self, "partition"):  # torch.optim.Optimizer's constructor calls this for every group
@@ -186,7 +180,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        k, S = self.partition.world_size, self.partition.shard_size
+        grad = self._flat_gradient()
+        if self.stage == 0:  # DDP: every rank steps every element
+            COLLECTIVES[self.collectives].all_reduce(grad, self.group)
+            self._step_own(self.flat, grad)
+        elif self.stage == 1:
+            zero1_step(self.flat, grad, self._step_own, self.group, self.collectives)
+        else:
+            self.grad = zero2_step(self.flat, grad, self._step_own, self.group, self.collectives)
+        for p, (a, b) in zip(self.params, self.partition.spans):  # ZeRO-2 keeps no full gradient
+            p.grad = grad[a:b].view_as(p) if self.stage < 2 else None
+        if self.stage < 2:
+            self.grad = grad[self.lo:self.hi]
+        return loss
+
+    def _flat_gradient(self) -> torch.Tensor:
+        """This rank's gradients side by side in one padded vector, divided by K on the way in as DDP does
+        (a sum of K gradients then cannot overflow); a missing gradient counts as zeros."""
         grad = torch.empty_like(self.flat)  # every element written below: no separate pass of zeros
         grad[self.partition.numel:].zero_()  # the padding
         for name, p, (a, b) in zip(self.partition.names, self.params, self.partition.spans):
@@ -194,151 +204,56 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(f"parameter {name}'s .data was replaced after the ZeroOptimizer was built: "
                                    f"it no longer lives in the flat vector that the optimizer steps; cast or "
                                    f"move the model first, then build the optimizer")
-            if p.grad is None:  # counts as zeros
+            if p.grad is None:
                 grad[a:b].zero_()
-            else:  # divide on the way in, as DDP does: a sum of K gradients cannot overflow
-                torch.mul(p.grad.reshape(-1), 1.0 / k, out=grad[a:b])
-        mine = slice(self.rank * S, (self.rank + 1) * S)
-        if self.collectives == "ring":
-            shard = torch.empty(S, dtype=grad.dtype, device=grad.device)
-            ring_reduce_scatter(shard, grad, group=self.group)
-            if self.stage < 2:  # finish the all-reduce: every replica holds the full average, as in DDP
-                grad[mine] = shard
-                self._all_gather_in_place(grad)
-        elif self.stage < 2 or dist.get_backend(self.group) == "gloo":
-            # reduce-scatter + all-gather in one all_reduce, as DDP and ZeroRedundancyOptimizer do; on gloo
-            # stage 2 too: its reduce_scatter_single is an all-reduce and a copy (same bits, slower: measured)
-            dist.all_reduce(grad, group=self.group)
-            shard = grad[mine].clone() if self.stage == 2 else None
-        else:
-            shard = torch.empty(S, dtype=grad.dtype, device=grad.device)
-            dist.reduce_scatter_single(shard, grad, group=self.group)
-        if self.stage < 2:
-            for p, (a, b) in zip(self.params, self.partition.spans):
-                p.grad = grad[a:b].view_as(p)
-            self.grad = grad[self.lo:self.hi]
-        else:  # ZeRO-2: no rank keeps a full gradient, only the reduced shard it owns
-            for p in self.params:
-                p.grad = None
-            self.grad = shard
-        master_grad = self.grad.to(self.master.dtype)  # a copy only for half params (fp32 master)
+            else:
+                torch.mul(p.grad.reshape(-1), 1.0 / self.partition.world_size, out=grad[a:b])
+        return grad
+
+    def _step_own(self, own: torch.Tensor, grad: torch.Tensor) -> None:
+        """The inner optimizer steps my slice `own` of the flat vector with `grad`, my slice of the mean."""
+        grad = grad.to(self.master.dtype)  # a copy only for half params (fp32 master)
         for s, (a, b) in zip(self.slices, self.ranges):
-            s.grad = master_grad[a:b]
+            s.grad = grad[a:b]
         copy_settings(self.param_groups, self.optimizer.param_groups)  # an LR scheduler's changes
         self.optimizer.step()
         copy_settings(self.optimizer.param_groups, self.param_groups)
         for s in self.slices:
             s.grad = None
         if self.has_master:
-            self.flat[self.lo:self.hi].copy_(self.master)
-        if self.stage > 0:
-            self._all_gather_in_place(self.flat)
-        return loss
+            own.copy_(self.master)
 
-    def _all_gather_in_place(self, flat: torch.Tensor) -> None:
-        """Slice r of `flat` (S elements) goes from rank r to every rank: the all-gather of the shards."""
-        S = self.partition.shard_size
-        if self.collectives == "ring":  # a copy: the input must not alias the output it is gathered into
-            ring_all_gather(flat, flat[self.rank * S:(self.rank + 1) * S].clone(), group=self.group)
-            return
-        # K broadcasts, each shard from its owner, as ZeroRedundancyOptimizer does: the same bytes as
-        # all_gather_single, which gloo runs 2-4x slower (measured in mini_dist/bench/data_parallel.py)
-        works = [dist.broadcast(flat[r * S:(r + 1) * S], group=self.group, group_src=r, async_op=True)
-                 for r in range(self.partition.world_size)]
-        for work in works:
-            work.wait()
+    def state_dict(self):  # torch.optim's would hold none of the shards' state: say where it is instead
+        raise RuntimeError(SHARDED)
 
-    # Checkpoints: a plain optimizer's state dict per parameter, or this rank's shard alone. How the
-    # shards are cut and put together again is a lesson of its own: mini_dist/sharded_state.py.
-    def state_dict(self, to: int | None = None):
-        """Collective. The whole state in torch.optim's format for the same param groups (a plain optimizer
-        over them can load it), on every rank (to=None) or only on group rank `to` (the others get None)."""
-        return sharded_state.consolidated_state_dict(self, to)
-
-    def load_state_dict(self, state_dict, src=None) -> None:
-        """Each rank keeps its own shard of a consolidated state dict. With src (a group rank) only that
-        rank needs to pass it (the others may pass None) and it is broadcast; else every rank passes it."""
-        sharded_state.load_consolidated_state_dict(self, state_dict, src)
-
-    def shard_state_dict(self) -> dict:
-        """This rank's shard only, no communication: what a sharded checkpoint saves per rank."""
-        return sharded_state.shard_state_dict(self)
-
-    def load_shard_state_dict(self, shard: dict) -> None:
-        sharded_state.load_shard_state_dict(self, shard)
+    def load_state_dict(self, state_dict) -> None:
+        raise RuntimeError(SHARDED)
 
 
-# ----------------------------------------------------------------------------- ledgers and formulas
+SHARDED = ("a ZeroOptimizer's state is sharded over the ranks: mini_dist.sharded_state's consolidated_state_dict"
+           "(optimizer, to) and load_consolidated_state_dict(optimizer, state, src) gather it and cut it again")
 
 
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind these tensors: views of one buffer count once, padding too."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors if t is not None}
-    return sum(storages.values())
-
-
-def memory_ledger(params, optimizer) -> dict:
-    """Bytes live on this rank by component, measured from the tensors (of a ZeroOptimizer, or of a plain
-    optimizer over `params`). 'state' is per-element optimizer state, master weights included; 0-dim
-    counters (Adam's step, 4 bytes per stepped tensor) are outside the formulas, reported as 'scalars'."""
-    params = list(params)
-    inner = optimizer.optimizer if isinstance(optimizer, ZeroOptimizer) else optimizer
-    state = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    grads = [p.grad for p in params]
-    if isinstance(optimizer, ZeroOptimizer):
-        grads.append(optimizer.grad)
-        if optimizer.has_master:
-            state.append(optimizer.master)
-    return {"params": _storage_bytes(params), "grads": _storage_bytes(grads),
-            "state": _storage_bytes(t for t in state if t.dim() > 0),
-            "scalars": sum(t.nbytes for t in state if t.dim() == 0)}
-
-
-def memory_formula(stage: int, partition: Partition, param_bytes: int, state_bytes: int) -> dict:
-    """The table above with N = Psi and N/K = S: params, grads (full or shard), state (full or shard).
-    state_bytes per element: 8 for fp32 Adam, 4 for SGD with momentum, +4 for fp32 master weights."""
-    psi, s = partition.padded_numel, partition.shard_size
-    return {"params": param_bytes * psi, "grads": param_bytes * (psi if stage < 2 else s),
-            "state": state_bytes * (psi if stage == 0 else s)}
-
-
-def bytes_sent_formula(stage: int, partition: Partition, elem_bytes: int) -> int:
-    """Ring bytes one rank sends per step: (K-1)*S*b per reduce-scatter or all-gather; stage 0 does 2
-    (the gradient all-reduce), stage 1 3 (+ the parameter all-gather), stage 2 2 (no gradient gather)."""
-    return PASSES[stage] * (partition.world_size - 1) * partition.shard_size * elem_bytes
+def _agree(params: list, stage: int, collectives: str, model: tuple, group) -> None:
+    """Every rank learns every rank's problems and model size first, so all raise together and none hangs."""
+    problem = (f"stage must be 0 (DDP), 1 (shard optimizer state) or 2 (also gradients), got {stage}"
+               if stage not in (0, 1, 2) else f"collectives must be 'native' or 'ring', got {collectives!r}"
+               if collectives not in COLLECTIVES else f"need parameters that require grad, all of one dtype and "
+               f"device; got {sorted({f'{p.dtype}/{p.device}' for p in params})}"
+               if not params or len({(p.dtype, p.device) for p in params}) > 1 else None)
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (problem, *model), group=group)
+    for r, (problem, *theirs) in enumerate(everyone):
+        if problem:
+            raise ValueError(f"rank {r}: {problem}")
+        if tuple(theirs) != everyone[0][1:]:
+            (n0, p0, s0, g0), (n, p, s, g) = everyone[0][1:], theirs
+            raise ValueError(f"ranks disagree: rank 0 has {n0} elements in {p0} parameters (stage {s0}, "
+                             f"groups {g0}), rank {r} has {n} in {p} (stage {s}, groups {g}); pass the "
+                             f"same model, groups and stage")
 
 
 # ----------------------------------------------------------------------------- demo
-
-FORMULAS = {False: ("16N", "8N + 8N/K", "4N + 12N/K"), True: ("16N", "4N + 12N/K", "2N + 14N/K")}
-
-
-def build(kind: str, widths, dtype, stage: int = 1, collectives: str = "ring"):
-    """(model, what runs forward, optimizer) for kind "ddp" (native DDP + Adam), "torch zero" (native DDP +
-    ZeroRedundancyOptimizer(Adam)) or "mini zero" (ZeroOptimizer(Adam) on the bare model)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    torch.manual_seed(0)  # every rank builds the same initial model
-    layers = [m for a, b in zip(widths, widths[1:]) for m in (torch.nn.Linear(a, b), torch.nn.Tanh())]
-    model = torch.nn.Sequential(*layers[:-1]).to(launch.device(), dtype)
-    if kind == "mini zero":
-        return model, model, ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage=stage,
-                                           collectives=collectives, lr=1e-2)
-    ddp = DDP(model)
-    optimizer = (torch.optim.Adam(ddp.parameters(), lr=1e-2) if kind == "ddp" else
-                 ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=1e-2))
-    return model, ddp, optimizer
-
-
-def train(model, forward, optimizer, steps: int) -> None:
-    """Each rank its own batch; zero_grad comes first, so the last step's gradients stay live."""
-    for t in range(steps):
-        g = torch.Generator().manual_seed(1000 * t + dist.get_rank())
-        x = torch.randn(8, model[0].in_features, generator=g).to(launch.device(), model[0].weight.dtype)
-        optimizer.zero_grad()
-        (forward(x) ** 2).mean().backward()
-        optimizer.step()
 
 
 def parser():
@@ -350,45 +265,33 @@ def parser():
 
 
 def demo(args) -> int:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
     launch.require(args.steps >= 1 and len(args.widths) >= 2 and min(args.widths) >= 1,
                    "--steps must be >= 1 and --widths two or more numbers >= 1")
-    print0, (k, w) = launch.print0, (launch.setup().world_size, args.widths)
-    runs = {(kind, s): build(kind, w, torch.float64, s) for kind, s in
-            [("ddp", 0), ("torch zero", 0), ("mini zero", 0), ("mini zero", 1), ("mini zero", 2)]}
-    for run in runs.values():
-        train(*run, steps=args.steps)
-    worst = max((p - q).abs().max().item() for s in (0, 1, 2) for ref in ("ddp", "torch zero")
-                for p, q in zip(runs["mini zero", s][0].parameters(), runs[ref, 0][0].parameters()))
-    equal = worst <= 1e-12  # fp64: only the order in which the K gradients are summed differs (~1e-16)
-    print0(f"{runs['mini zero', 1][2].partition}\n{args.steps} Adam steps in fp64, stages 0/1/2 vs native DDP "
-           f"and ZeroRedundancyOptimizer: max |diff| {worst:.1e} ({'PASS' if equal else 'FAIL'}: <= 1e-12)")
-    model, forward, adam = build("ddp", w, torch.float32)
-    train(model, forward, adam, 1)
-    ddp_bytes = sum(v for c, v in memory_ledger(model.parameters(), adam).items() if c != "scalars")
-    n, exact, per_n, sent = sum(p.numel() for p in model.parameters()), True, {}, {}
-    for half in (False, True):
-        b, state_bytes = (2, 12) if half else (4, 8)  # 12 = fp32 master 4 + Adam 8
-        print0(f"\n{'bf16 params + fp32 master Adam' if half else 'fp32 Adam'}, K={k}, N={n:,} (rank 0 shown; "
-               f"every rank checked)\nstage | sent/step B = formula   |  params   grads   state | total B = formula")
-        for stage in (0, 1, 2):
-            model, forward, zero = build("mini zero", w, torch.bfloat16 if half else torch.float32, stage)
-            train(model, forward, zero, 1)
-            LEDGER.reset()
-            train(model, forward, zero, 1)  # one step's bytes; the ledger right after it
-            want = memory_formula(stage, zero.partition, b, state_bytes)
-            got = [memory_ledger(model.parameters(), zero)[c] for c in want]
-            sent[half, stage], per_n[half, stage] = LEDGER.sent, sum(got) / n
-            exact &= got == list(want.values()) and LEDGER.sent == bytes_sent_formula(stage, zero.partition, b)
-            print0(f"{stage:<6}| {LEDGER.sent:>11,} = {PASSES[stage]}(K-1)S*b | {got[0]:>7,} {got[1]:>7,} "
-                   f"{got[2]:>7,} | {sum(got):>7,} = {FORMULAS[half][stage]} = {per_n[half, stage]:.2f}N")
-    ratio = [sent[False, s] / max(1, sent[False, 0]) for s in (1, 2)]
-    print0(f"\nnative DDP + Adam measures {ddp_bytes / n:.2f}N, as stage 0. " + (
-        f"Bytes vs DDP: ZeRO-1 {ratio[0]:.2f}x, ZeRO-2 {ratio[1]:.2f}x (its reduce-scatter halves the "
-        f"gradient traffic, the parameter all-gather spends it again)" if k > 1 else "K=1 sends nothing.") +
-        f"\nfp32 ZeRO-1 measures {per_n[False, 1]:.2f}N = 8N + 8N/K; the often-quoted 4N + 12N/K = "
-        f"{per_n[True, 1]:.2f}N is the half-precision accounting (bf16 + fp32 master above)")
-    return launch.conclude("zero", equal, f"= DDP and ZeroRedundancyOptimizer ({worst:.0e})",
-                           exact and ddp_bytes == 16 * n, f"bytes, memory = formulas (ZeRO-2 {per_n[False, 2]:.2f}N)")
+    k, w, adam, runs = launch.setup().world_size, args.widths, torch.optim.Adam, {}
+    make = {"DDP + Adam": lambda m, f: adam(f.parameters(), lr=1e-2),
+            "DDP + ZeroRedundancyOptimizer": lambda m, f: ZeroRedundancyOptimizer(f.parameters(), adam, lr=1e-2)}
+    make |= {f"ZeRO-{s}": lambda m, f, s=s: ZeroOptimizer(m.named_parameters(), adam, stage=s, lr=1e-2)
+             for s in (0, 1, 2)}
+    for name, optimizer in make.items():  # the same model on every rank, each rank its own data
+        model = models.mlp(w, torch.float64).to(launch.device())
+        forward = DDP(model) if name.startswith("DDP") else model
+        runs[name] = (model, forward, optimizer(model, forward))
+        models.random_batch_steps(*runs[name], args.steps)
+    diff = {name: max((p - q).abs().max().item() for p, q in zip(runs[name][0].parameters(),
+                                                                  runs["DDP + Adam"][0].parameters()))
+            for name in runs if name != "DDP + Adam"}
+    worst = max(diff.values())  # fp64: only the order in which the K gradients are summed differs (~1e-16)
+    opt, grad = runs["ZeRO-1"][2], runs["ZeRO-2"][2].grad
+    state = sum(v.numel() for v in opt.optimizer.state[opt.slices[0]].values() if v.dim() > 0)
+    S, N = opt.partition.shard_size, opt.partition.numel
+    launch.print0(f"{opt.partition}\n{args.steps} Adam steps, fp64, K = {k}; max |parameter difference| from native "
+                  f"DDP + Adam: " + ", ".join(f"{n} {d:.1e}" for n, d in diff.items()) +
+                  f"\nper rank (rank 0): Adam state for {state:,} elements = 2S (DDP: 2N = {2 * N:,}); ZeRO-2 keeps "
+                  f"a mean gradient of {grad.numel():,} elements = S (DDP, ZeRO-1: N = {N:,})")
+    return launch.conclude("zero", worst <= 1e-12, f"stages 0/1/2 = DDP and ZeroRedundancyOptimizer ({worst:.0e})",
+                           state == 2 * S and grad.numel() == S, "per rank: Adam state 2S, ZeRO-2 gradient S elements")
 
 
 if __name__ == "__main__":

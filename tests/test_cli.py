@@ -30,6 +30,7 @@ BAD = {
     "expert_parallel": (3, [], "experts"),
     "flat_param": (2, ["--sizes", "4"], "--sizes"),
     "fsdp": (2, ["--depth", "1"], "depth"),
+    "fsdp_ledger": (2, ["--depth", "1"], "--depth"),
     "loss_scaling": (2, ["--steps", "0"], "steps"),
     "mesh": (4, ["--pp", "3"], "pp"),
     "mixed_precision": (1, ["--lr", "0"], "--lr"),
@@ -53,6 +54,7 @@ BAD = {
     "ulysses": (3, ["--heads", "8"], "heads"),
     "vocab_parallel": (7, [], "vocab"),
     "zero": (2, ["--steps", "0"], "steps"),
+    "zero_ledger": (2, ["--widths", "0"], "--widths"),
     "kit.debug": (1, [], "2 or more ranks"),
     "kit.measure": (1, ["--width", "0"], "--width"),
 }

@@ -126,7 +126,7 @@ def bytes_per_step(shapes, rank, dtype, hook):
 @given(world=st.integers(1, 4), shapes=shape_lists, rank=st.integers(1, 4),
        dtype=st.sampled_from([torch.float32, F64]))
 def test_bytes_per_step_are_r_times_n_plus_m_per_compressed_matrix_and_d_before(world, shapes, rank, dtype):
-    e = torch.empty(0, dtype=dtype).element_size()
+    e = torch.empty(0, dtype=dtype).element_size()  # cpu: only its element size
     D = sum(a * b + b for a, b in shapes) * e
     # a weight is n x m = out x in; it is compressed when r(n + m) * 2 < n m, else sent whole like a bias
     compressed = sum(min(b, a, rank) * (a + b) if compression.should_compress(b, a, rank, 2) else a * b
@@ -139,7 +139,8 @@ def test_bytes_per_step_are_r_times_n_plus_m_per_compressed_matrix_and_d_before(
 
 def exact_sum(tensors):
     """Elementwise sum, rounded once (math.fsum)."""
-    return torch.tensor([math.fsum(column) for column in zip(*(t.tolist() for t in tensors))], dtype=F64)
+    return torch.tensor([math.fsum(column) for column in zip(*(t.tolist() for t in tensors))], dtype=F64,
+                        device=tensors[0].device)
 
 
 def residuals(shapes, rank, steps):
@@ -193,13 +194,13 @@ def test_error_feedback_keeps_exactly_what_was_not_sent(world, shapes, rank):
 @pytest.mark.single_process
 def test_orthogonalize_gives_orthonormal_columns_spanning_the_same_space(n, r, dtype, seed):
     r = min(n, r)
-    M = torch.randn(n, r, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    M = torch.randn(n, r, generator=torch.Generator().manual_seed(seed), dtype=dtype)  # cpu: no ranks
     Q = M.clone()
     compression.orthogonalize(Q)
     eps = torch.finfo(dtype).eps
     # Gaussian n x r columns are well conditioned (r <= n) with overwhelming probability: Q^T Q = I to a
     # few hundred ulps, and M = Q (Q^T M) (the same column space)
-    assert torch.allclose(Q.T @ Q, torch.eye(r, dtype=dtype), atol=500 * eps * n, rtol=0)
+    assert torch.allclose(Q.T @ Q, torch.eye(r, dtype=dtype), atol=500 * eps * n, rtol=0)  # cpu: as M
     assert torch.allclose(Q @ (Q.T @ M), M, atol=500 * eps * n * M.abs().max().item(), rtol=0)
 
 

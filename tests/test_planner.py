@@ -409,7 +409,8 @@ def linear_stack(widths):
 def zero_ledgers(stage, sizes, dtype):
     """One ZeroOptimizer step with ring collectives: bytes sent, and the memory ledger after it."""
     from mini_dist.ring_allreduce import LEDGER
-    from mini_dist.zero import ZeroOptimizer, memory_ledger
+    from mini_dist.zero import ZeroOptimizer
+    from mini_dist.zero_ledger import memory_ledger
     model = linear_stack(sizes).to(dtype)
     opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=stage, collectives="ring")
     model(torch.randn(3, sizes[0], generator=rank_generator(stage)).to(dtype)).float().sum().backward()

@@ -15,7 +15,7 @@ from test_ddp import F64, Net, trainable_bytes
 
 
 def test_buckets_for_a_given_cap_hold_the_expected_parameters():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))  # weight 64 B, bias 16 B
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))  # cpu: no ranks; weight 64 B, bias 16
     names = {p: n for n, p in model.named_parameters()}
     membership = lambda cap: [[names[p] for p in b.params] for b in build_buckets(list(model.parameters()), cap)]
     assert membership(10 ** 6) == [["2.bias", "2.weight", "1.bias", "1.weight", "0.bias", "0.weight"]]
@@ -32,7 +32,7 @@ def test_buckets_for_a_given_cap_hold_the_expected_parameters():
        first=st.one_of(st.none(), st.integers(0, 3000)))
 @pytest.mark.single_process
 def test_buckets_match_natives_assignment_run_over_the_parameters_in_reverse(numels, cap, first):
-    params = [nn.Parameter(torch.zeros(n)) for n in numels]
+    params = [nn.Parameter(torch.zeros(n)) for n in numels]  # cpu: no ranks, only bucket membership
     index = {p: i for i, p in enumerate(params)}
     mine = [[index[p] for p in b.params] for b in build_buckets(params, cap, first)]
     native, _ = dist._compute_bucket_assignment_by_size(params[::-1], [cap] if first is None else [first, cap])
@@ -50,13 +50,15 @@ def launch_order(widths, collective):
     return len(mini.buckets), t.start[0] < t.ready[-1], max(t.start) < t.backward_end
 
 
+@pytest.mark.exercise
 @pytest.mark.parametrize("world,collective", [(2, "native"), (3, "ring"), (5, "native")])
 def test_all_reduces_start_during_backward_for_multi_bucket_models(world, collective):
-    for n_buckets, first_before_last_ready, during in run(world, launch_order, [8] * 6, collective):
+    for rank, (n_buckets, first_before_last_ready, during) in enumerate(run(world, launch_order, [8] * 6,
+                                                                            collective)):
         assert n_buckets >= 3
         # bucket 0 (the last layers) went out before the first layer's gradients existed
-        assert first_before_last_ready
-        assert during  # and every all-reduce was under way before backward ended
+        assert first_before_last_ready, f"rank {rank}: bucket 0's all-reduce started after the last bucket filled"
+        assert during, f"rank {rank}: an all-reduce started only after backward ended"
 
 
 @pytest.mark.single_process

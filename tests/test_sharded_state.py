@@ -13,13 +13,16 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from harness import run
-from mini_dist.zero import ZeroOptimizer, memory_ledger
+from mini_dist.sharded_state import (consolidated_state_dict, load_consolidated_state_dict, load_shard_state_dict,
+                                     shard_state_dict)
+from mini_dist.zero import ZeroOptimizer
+from mini_dist.zero_ledger import memory_ledger
 from test_zero import OPTIMIZERS, Toy, flat, hyperparameters, param_groups, shapes, train
 
 
 def state_vector(saved) -> torch.Tensor:
     return torch.cat([v.double().flatten().cpu() for s in saved["state"].values() for v in s.values()
-                      if isinstance(v, torch.Tensor)] + [torch.zeros(0, dtype=torch.float64)])
+                      if isinstance(v, torch.Tensor)] + [torch.zeros(0, dtype=torch.float64)])  # cpu: as .cpu()
 
 
 def round_trip_worker(shapes, stage, stage_after, opt_name, hp, half, to, broadcast, grouped, t1, t2):
@@ -30,7 +33,7 @@ def round_trip_worker(shapes, stage, stage_after, opt_name, hp, half, to, broadc
     first = Toy(shapes, dtype)
     zero = ZeroOptimizer(param_groups(first, grouped, hp["lr"]), cls, stage=stage, **hp)
     train(first, zero, range(t1))
-    saved = zero.state_dict(to=to)  # to=None: on every rank
+    saved = consolidated_state_dict(zero, to=to)  # to=None: on every rank
     assert (saved is None) == (to is not None and dist.get_rank() != to)
     everywhere = None if saved is None else state_vector(saved)
     src = 0 if to is None else to
@@ -45,9 +48,10 @@ def round_trip_worker(shapes, stage, stage_after, opt_name, hp, half, to, broadc
     resumed.load_state_dict(checkpoint["model"])
     fresh = ZeroOptimizer(param_groups(resumed, grouped, hp["lr"]), cls, stage=stage_after, **hp)
     if broadcast:  # only rank `src` passes the optimizer state; the others pass None
-        fresh.load_state_dict(checkpoint["optimizer"] if dist.get_rank() == src else None, src=src)
+        mine = checkpoint["optimizer"] if dist.get_rank() == src else None
+        load_consolidated_state_dict(fresh, mine, src=src)
     else:
-        fresh.load_state_dict(checkpoint["optimizer"])
+        load_consolidated_state_dict(fresh, checkpoint["optimizer"])
     train(resumed, fresh, range(t1, t1 + t2))
     # the loaded shard must not keep the whole consolidated buffer alive: the same bytes as never stopping
     return (torch.equal(flat(resumed), flat(never_stopped)),
@@ -61,7 +65,7 @@ def round_trip_worker(shapes, stage, stage_after, opt_name, hp, half, to, broadc
        t1=st.integers(1, 3), t2=st.integers(1, 2))
 def test_consolidated_state_dict_round_trip_continues_exactly_as_if_never_stopped(
         world, shapes, stage, stage_after, opt, half, data, broadcast, grouped, t1, t2):
-    assume(any(len(s) > 0 for s in shapes))  # all-0-dim models are refused by load_state_dict (see below)
+    assume(any(len(s) > 0 for s in shapes))  # all-0-dim models are refused by load_consolidated_state_dict (test_zero.py)
     to = data.draw(st.one_of(st.none(), st.integers(0, world - 1)))  # None: consolidated on every rank
     # Bit for bit: the same operations on the same numbers (and every stage gives identical bits, so the
     # state saved by one stage may be resumed by another)
@@ -81,11 +85,11 @@ def shard_round_trip_worker(shapes, stage, opt_name, hp, half, grouped, t1, t2):
     zero = ZeroOptimizer(param_groups(first, grouped, hp["lr"]), cls, stage=stage, **hp)
     train(first, zero, range(t1))
     buffer = io.BytesIO()
-    torch.save({"model": first.state_dict(), "shard": zero.shard_state_dict()}, buffer)
+    torch.save({"model": first.state_dict(), "shard": shard_state_dict(zero)}, buffer)
     checkpoint = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     resumed.load_state_dict(checkpoint["model"])
     fresh = ZeroOptimizer(param_groups(resumed, grouped, hp["lr"]), cls, stage=stage, **hp)
-    fresh.load_shard_state_dict(checkpoint["shard"])
+    load_shard_state_dict(fresh, checkpoint["shard"])
     train(resumed, fresh, range(t1, t1 + t2))
     return torch.equal(flat(resumed), flat(never_stopped)), memory_ledger(resumed.ps, fresh) == memory_ledger(
         never_stopped.ps, straight)
@@ -102,9 +106,9 @@ def test_each_ranks_shard_saved_alone_resumes_exactly_as_if_never_stopped(world,
 
 def foreign_shard_worker():
     model = Toy([(4, 3), (5,)], torch.float32)
-    shard = ZeroOptimizer(model.ps, torch.optim.SGD, stage=0, lr=0.1).shard_state_dict()
+    shard = shard_state_dict(ZeroOptimizer(model.ps, torch.optim.SGD, stage=0, lr=0.1))
     try:
-        ZeroOptimizer(model.ps, torch.optim.SGD, stage=1, lr=0.1).load_shard_state_dict(shard)
+        load_shard_state_dict(ZeroOptimizer(model.ps, torch.optim.SGD, stage=1, lr=0.1), shard)
     except ValueError as e:
         return str(e)
 

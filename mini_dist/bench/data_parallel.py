@@ -23,12 +23,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as NativeDDP
 
 from mini_dist import bench
+from mini_dist.ddp import DistributedDataParallel, NaiveDataParallel
 from mini_dist.kit import launch
-from mini_dist.ddp import DistributedDataParallel, NaiveDataParallel, mlp
-from mini_dist.ddp import train_step as ddp_step
+from mini_dist.kit.models import accumulation_step, mlp, random_batch_steps
 from mini_dist.zero import ZeroOptimizer
-from mini_dist.zero import build as build_zero
-from mini_dist.zero import train as zero_step
 
 NOTE = "ratio: median of {} paired step ratios"
 
@@ -40,7 +38,7 @@ def ddp(args, repeats: int = 20) -> list[bench.Result]:
     batch = [tuple(torch.randn(32, 1024, generator=g).to(dev) for _ in "xy")]
     replicas = {"native": NativeDDP(model), "mini": DistributedDataParallel(mlp([1024] * 11, torch.float32).to(dev)),
                 "naive": NaiveDataParallel(mlp([1024] * 11, torch.float32).to(dev))}
-    steps = {name: partial(ddp_step, m, torch.optim.SGD(m.parameters(), lr=1e-3), batch)
+    steps = {name: partial(accumulation_step, m, torch.optim.SGD(m.parameters(), lr=1e-3), batch)
              for name, m in replicas.items()}
     results = [bench.compare(f"ddp step, {name}", steps[name], steps["native"], repeats, target,
                              warmup=2, note=NOTE.format(repeats)) for name, target in (("mini", 1.15), ("naive", None))]
@@ -71,10 +69,15 @@ def collective_costs(numel: int, repeats: int = 7) -> str:
 
 def zero(args, repeats: int = 61) -> list[bench.Result]:
     widths = (512, 1024, 1024, 512)
-    runs = {stage: build_zero("mini zero", widths, torch.float32, stage, collectives="native") for stage in (1, 2)}
-    native = build_zero("torch zero", widths, torch.float32)
-    assert isinstance(native[2], ZeroRedundancyOptimizer) and isinstance(runs[1][2], ZeroOptimizer)
-    steps = {name: partial(zero_step, *run, 1) for name, run in [*runs.items(), ("native", native)]}
+    def built(stage):  # the same model on every rank: ZeroOptimizer on the bare model, or native DDP + ZeRO
+        model = mlp(widths, torch.float32).to(launch.device())
+        if stage is not None:
+            return model, model, ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage=stage, lr=1e-2)
+        ddp = NativeDDP(model)
+        return model, ddp, ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=1e-2)
+    runs = {stage: built(stage) for stage in (1, 2)}
+    native = built(None)
+    steps = {name: partial(random_batch_steps, *run, 1) for name, run in [*runs.items(), ("native", native)]}
     results = [bench.compare(f"zero step, stage {stage}", steps[stage], steps["native"], repeats, 1.1,
                              warmup=2, note=NOTE.format(repeats)) for stage in (1, 2)]
     numel = runs[1][2].partition.numel

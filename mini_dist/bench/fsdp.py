@@ -1,16 +1,18 @@
 """FSDP against torch's fully_shard: step time (paired, interleaved medians) and peak memory per rank.
 
-The model is fsdp.py's demo model at a size where parameters dominate: 8 Blocks of width 512 (hidden 2048),
-17.3M fp32 parameters, batch 16, Adam. Peak memory is what one step holds above its start: on CUDA the
-allocator's peak, on the CPU glibc's heap sampled by a thread (mini_dist/measure.py): a lower bound.
+The model is fsdp.py's demo model (kit/models.py's block_stack) at a size where parameters dominate: 8
+Blocks of width 512 (hidden 2048), 17.3M fp32 parameters, batch 16, Adam. Peak memory is what one step
+holds above its start: on CUDA the allocator's peak, on the CPU glibc's heap sampled by a thread
+(mini_dist/kit/measure.py): a lower bound.
 """
 from functools import partial
 
 import torch
 
 from mini_dist import bench
+from mini_dist.fsdp import FullyShardedDataParallel
 from mini_dist.kit import launch, measure
-from mini_dist.fsdp import make_model, train_step
+from mini_dist.kit.models import Block, block_stack, fully_shard_blocks, regression_step
 
 WIDTH, DEPTH, BATCH, REPEATS = 512, 8, 16, 7
 
@@ -19,9 +21,11 @@ def fsdp(args) -> list[bench.Result]:
     dev = launch.device()
     g = torch.Generator().manual_seed(torch.distributed.get_rank())
     x, y = (torch.randn(BATCH, WIDTH, generator=g).to(dev) for _ in range(2))
-    models = {name: make_model(WIDTH, 4 * WIDTH, DEPTH, torch.float32, dev, **options) for name, options in
-              [("prefetch", {}), ("naive", {"prefetch": False}), ("fully_shard", {"native": True})]}
-    steps = {name: partial(train_step, m, torch.optim.Adam(m.parameters(), lr=1e-4), x, y)
+    stack = lambda: block_stack(WIDTH, 4 * WIDTH, DEPTH, torch.float32, dev)
+    models = {"prefetch": FullyShardedDataParallel(stack(), Block),
+              "naive": FullyShardedDataParallel(stack(), Block, prefetch=False),
+              "fully_shard": fully_shard_blocks(stack())}
+    steps = {name: partial(regression_step, m, torch.optim.Adam(m.parameters(), lr=1e-4), x, y)
              for name, m in models.items()}
     results = [bench.compare(f"fsdp step, {name}", steps[name], steps["fully_shard"], REPEATS, target)
                for name, target in (("prefetch", 1.15), ("naive", None))]

@@ -19,19 +19,22 @@ from torch import nn
 from mini_dist.kit import launch
 
 
-def mlp(widths: list[int], dtype=torch.float64, seed: int = 0) -> nn.Sequential:
-    """Linear(widths[0], widths[1]), Tanh, ..., Linear(widths[-2], widths[-1]), from torch.manual_seed(seed)."""
+def mlp(widths: list[int], dtype=torch.float64, seed: int = 0, device=None) -> nn.Sequential:
+    """Linear(widths[0], widths[1]), Tanh, ..., Linear(widths[-2], widths[-1]), from torch.manual_seed(seed),
+    on `device` (default: this rank's, launch.device())."""
     torch.manual_seed(seed)
-    layers = [m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b, dtype=dtype), nn.Tanh())]
+    device = device or launch.device()
+    layers = [m for a, b in zip(widths, widths[1:])
+              for m in (nn.Linear(a, b, dtype=dtype, device=device), nn.Tanh())]
     return nn.Sequential(*layers[:-1])
 
 
 class Block(nn.Module):
     """A residual MLP standing in for a transformer block: the unit FSDP gathers and frees whole."""
 
-    def __init__(self, width: int, hidden: int):
+    def __init__(self, width: int, hidden: int, device=None):
         super().__init__()
-        self.up, self.down = nn.Linear(width, hidden), nn.Linear(hidden, width)
+        self.up, self.down = nn.Linear(width, hidden, device=device), nn.Linear(hidden, width, device=device)
 
     def forward(self, x):
         return x + self.down(torch.tanh(self.up(x)))
@@ -40,8 +43,9 @@ class Block(nn.Module):
 def block_stack(width: int, hidden: int, depth: int, dtype, device) -> nn.Sequential:
     """Linear(width, width) -> depth Blocks -> Linear(width, width), from torch.manual_seed(0)."""
     torch.manual_seed(0)
-    blocks = [Block(width, hidden) for _ in range(depth)]
-    return nn.Sequential(nn.Linear(width, width), *blocks, nn.Linear(width, width)).to(device, dtype)
+    blocks = [Block(width, hidden, device) for _ in range(depth)]
+    return nn.Sequential(nn.Linear(width, width, device=device), *blocks,
+                         nn.Linear(width, width, device=device)).to(device, dtype)
 
 
 def fully_shard_blocks(model: nn.Module, group=None) -> nn.Module:

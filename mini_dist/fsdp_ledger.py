@@ -1,0 +1,160 @@
+"""What FSDP saves and what it costs, per rank: the bytes held and sent in one step, measured beside DDP's.
+
+With fp32 Adam each parameter costs 4 bytes of weight, 4 of gradient and 8 of optimizer state. DDP holds
+all of them on every rank; FSDP holds 1/K of each (the shards, N' = the units' padded sizes) plus the
+units gathered at the moment, and pays for it with a second all-gather:
+
+                 params    grads     Adam state   gathered (peak)              sent per step
+    DDP          4N        4N        8N           -                            2 (K-1)/K 4N
+    FSDP naive   4N'/K     4N'/K     8N/K         root + 1 unit                3 (K-1)/K 4N'
+    prefetch     4N'/K     4N'/K     8N/K         root + 2 units               3 (K-1)/K 4N'
+    kept         4N'/K     4N'/K     8N/K         every unit: 4N' at the turn  2 (K-1)/K 4N'
+
+"kept" is reshard_after_forward=False: the whole model is alive from forward to backward, so its
+parameters alone, 4N'/K + 4N', exceed DDP's 4N; what FSDP saves is the gradients and the optimizer
+state, 12N of DDP's 16N, which only shrink when sharded. Every number is read from the tensors'
+storages and from FSDP's ledger, never from the formula.
+
+    torchrun --standalone --nproc_per_node=4 mini_dist/fsdp_ledger.py [--depth 6 --width 256]
+
+The paper: Zhao et al., PyTorch FSDP (VLDB 2023), Sec. 3; ZeRO stage 3 (Rajbhandari et al., 2020).
+"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+if not __package__:  # run as `torchrun mini_dist/fsdp_ledger.py`: Python put mini_dist/ on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mini_dist.ddp import DistributedDataParallel
+from mini_dist.fsdp import FullyShardedDataParallel
+from mini_dist.kit import launch, models
+from mini_dist.ring_allreduce import LEDGER, ring_all_reduce
+
+
+def trained(width: int = 8, hidden: int = 32, depth: int = 3, steps: int = 2, **options):
+    """FSDP (each Block a unit) over models.block_stack, fp32, after `steps` Adam steps on this rank's batch,
+    zero_grad first: the ledger holds the last step, whose gradients are still there. -> (model, adam)"""
+    model = FullyShardedDataParallel(models.block_stack(width, hidden, depth, torch.float32, launch.device()),
+                                     wrap=models.Block, **options)
+    adam, g = torch.optim.Adam(model.parameters(), lr=1e-3), torch.Generator().manual_seed(dist.get_rank())
+    x, y = (torch.randn(4, width, generator=g).to(launch.device()) for _ in "xy")
+    for _ in range(steps):
+        model.ledger.reset()
+        adam.zero_grad()
+        (model(x) - y).square().mean().backward()
+        adam.step()
+    return model, adam
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind these tensors: views of one buffer count once, padding too."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                if t is not None}.values())
+
+
+def memory_per_rank(model, optimizer) -> dict:
+    """This rank's bytes by what they hold: params, grads, per-element optimizer state, and the peak of
+    gathered parameters (FSDP's ledger; 0 for a model that keeps its parameters whole)."""
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    return {"params": _storage_bytes(model.parameters()), "grads": _storage_bytes(p.grad for p in model.parameters()),
+            "state": _storage_bytes(state), "gathered": model.ledger.peak if hasattr(model, "ledger") else 0}
+
+
+def _sum(x: float) -> float:
+    t = torch.tensor([float(x)], dtype=torch.float64, device=launch.device())
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _ddp_sent(model) -> float:
+    """Bytes mini DDP's ring all-reduce sends per rank in one backward of `model` (mean over the ranks)."""
+    replica = DistributedDataParallel(model, all_reduce=ring_all_reduce)
+    LEDGER.reset()
+    replica(torch.randn(4, model[0].in_features, device=launch.device())).square().mean().backward()
+    return _sum(LEDGER.sent) / dist.get_world_size()  # the ring's chunks can differ by an element per rank
+
+
+def gathers_twice() -> tuple[str, bool]:
+    """Each unit is all-gathered twice a step (forward, then backward), so at most root + 1 unit is whole;
+    keeping it after forward saves the second gather and holds every unit. Collective: the default group."""
+    runs = {name: trained(prefetch=False, reshard_after_forward=name == "resharded")[0]
+            for name in ("resharded", "kept")}
+    units = runs["kept"].units
+    full = [u.full.nbytes for u in units]  # the root unit first
+    gathers = {k: m.ledger.count("all-gather", units[1].name) for k, m in runs.items()}
+    peak = {k: m.ledger.peak for k, m in runs.items()}  # the same on every rank: units are the same size
+    return (f"per step each of the {len(units) - 1} blocks is all-gathered {gathers['resharded']}x (forward, then "
+            f"again for backward): at most root + 1 block whole, {peak['resharded']:,} B; keeping it after forward: "
+            f"{gathers['kept']} gather, every unit whole at once, {peak['kept']:,} B "
+            f"({peak['kept'] / peak['resharded']:.1f}x)"), \
+        gathers == {"resharded": 2, "kept": 1} and peak == {"resharded": full[0] + max(full[1:]), "kept": sum(full)}
+
+
+def traffic_vs_ddp() -> tuple[str, bool]:
+    """FSDP sends 3(K-1)/K of the weights' bytes per step, 1.5x DDP's 2(K-1)/K: the second all-gather.
+    Collective: every rank of the default group calls it."""
+    K = dist.get_world_size()
+    sharded, kept = trained()[0], trained(reshard_after_forward=False)[0]
+    plain = models.block_stack(8, 32, 3, torch.float32, launch.device())  # the same model, bare, under DDP
+    D, ddp_sent = sum(p.nbytes for p in plain.parameters()), _ddp_sent(plain)
+    fsdp_sent, kept_sent = _sum(sharded.ledger.sent) / K, _sum(kept.ledger.sent) / K
+    return (f"per rank per step, D = {D:,} B of fp32 weights: DDP's ring all-reduce {ddp_sent:,.0f} B = "
+            f"2(K-1)/K D; FSDP {fsdp_sent:,.0f} B = 3(K-1)/K D (gather for forward, gather again for backward, "
+            f"reduce-scatter): {fsdp_sent / max(ddp_sent, 1):.2f}x; keeping the weights after forward: "
+            f"{kept_sent / max(ddp_sent, 1):.2f}x"), \
+        ddp_sent * K == 2 * (K - 1) * D and 2 * fsdp_sent == 3 * ddp_sent and kept_sent == ddp_sent
+
+
+# ----------------------------------------------------------------------------- demo
+
+
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--depth", type=int, default=6, help="Blocks, one unit each (the root keeps 2 Linears)")
+    p.add_argument("--width", type=int, default=256, help="model width (Block hidden: 4x)")
+    return p
+
+
+def demo(args) -> int:
+    launch.require(args.depth >= 2 and args.width >= 1, "--depth must be at least 2, --width at least 1")
+    K, w, exact = launch.setup().world_size, args.width, True
+    kinds = {"FSDP naive": dict(prefetch=False), "FSDP prefetch": {}, "FSDP kept": dict(reshard_after_forward=False)}
+    rows = {k: trained(w, 4 * w, args.depth, **o) for k, o in kinds.items()}
+    ddp = models.block_stack(w, 4 * w, args.depth, torch.float32, launch.device())
+    adam = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    sent = {"DDP": _ddp_sent(ddp)}  # its backward left the gradients, and a step makes Adam's state
+    adam.step()
+    memory = {"DDP": memory_per_rank(ddp, adam)} | {k: memory_per_rank(*r) for k, r in rows.items()}
+    sent |= {k: _sum(m.ledger.sent) / K for k, (m, _) in rows.items()}
+    units = rows["FSDP naive"][0].units
+    N, S, full = sum(u.numel for u in units), sum(u.shard_numel for u in units), [u.full.nbytes for u in units]
+    mine = sum(p.numel() for p in rows["FSDP naive"][0].parameters())  # my shard's real elements
+    want = {"DDP": [4 * N, 4 * N, 8 * N, 0]}
+    peaks = {"FSDP naive": full[0] + max(full[1:]), "FSDP kept": sum(full),
+             "FSDP prefetch": full[0] + max(a + b for a, b in zip(full[1:], full[2:]))}
+    want |= {k: [4 * S, 4 * S, 8 * mine, peaks[k]] for k in kinds}
+    launch.print0(f"fp32 Adam, K = {K}, N = {N:,} parameters (N' = {K * S:,} padded); bytes per rank (rank 0; "
+                  f"every rank checked), bytes sent per rank per step (mean over ranks)\n"
+                  f"{'':14}{'params':>12}{'grads':>12}{'Adam state':>13}{'gathered':>12}{'total':>13}"
+                  f"{'sent':>13}")
+    for k, m in memory.items():
+        got = [m["params"], m["grads"], m["state"], m["gathered"]]
+        exact &= got == want[k]
+        launch.print0(f"{k:14}" + "".join(f"{v:>10,} B" for v in got[:3]) + f"{got[3]:>11,} B{sum(got):>11,} B"
+                      f"{sent[k]:>11,.0f} B")
+    saved = 1 - (sum(want["FSDP prefetch"][:3])) / sum(want["DDP"][:3])
+    launch.print0(f"the saving FSDP exists for: gradients and Adam state, {want['DDP'][1] + want['DDP'][2]:,} B "
+                  f"per rank under DDP, {4 * S + 8 * mine:,} B sharded ({100 * saved:.0f}% of DDP's params, grads "
+                  f"and state gone). kept: every unit stays whole from forward to backward, so its params "
+                  f"({4 * S + sum(full):,} B) exceed DDP's {4 * N:,} B.")
+    answers = [q() for q in (gathers_twice, traffic_vs_ddp)]
+    for q, (figure, _) in zip(("gathers_twice", "traffic_vs_ddp"), answers):
+        launch.print0(f"\n{q}: {figure}")
+    return launch.conclude("fsdp_ledger", exact, "params, grads, Adam state and gathered peak = the table",
+                           all(h for _, h in answers), "FSDP gathers twice and sends 1.5x DDP; kept: 1x")
+
+
+if __name__ == "__main__":
+    raise SystemExit(launch.main(parser(), demo))
