@@ -180,7 +180,7 @@ def against_one_process(dense, transport, xs, dys, group=None):
         ((yq * dy).sum() + ref.aux_loss).backward()
         if q == me:
             pairs = [(y, yq), (x.grad, xq.grad), (moe.aux_loss, ref.aux_loss),
-                     (torch.tensor(moe.dropped + 0.0), torch.tensor(ref.dropped + 0.0))]
+                     (torch.tensor(moe.dropped + 0.0), torch.tensor(ref.dropped + 0.0))]  # cpu: two counts
     gathered = gather_to_dense(moe, copy.deepcopy(dense), group)
     pairs += [(p.grad, q.grad) for p, q in zip(gathered.parameters(), ref.parameters())]
     diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1)).item() if b.numel() else 0.0 for a, b in pairs)

@@ -129,7 +129,7 @@ class MoE(nn.Module):
 def skewed_tokens(n, h, seed, rank=0, step=0, skew=2.0):
     """Tokens around one common offset (skew standard deviations): every token's logits lean the same way,
     so a few experts get most of them. skew=0: tokens without a common direction."""
-    offset = skew * torch.randn(h, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    offset = skew * torch.randn(h, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)  # cpu: moved
     g = torch.Generator().manual_seed(seed * 7919 + step * 101 + rank + 1)
     return (torch.randn(n, h, generator=g, dtype=torch.float64) + offset).to(launch.device())
 

@@ -156,7 +156,7 @@ def demo(args) -> int:
     for layout in LAYOUTS:
         part = split_sequence(x, layout=layout)
         (part * (env.rank + 1)).sum().backward()  # rank r's part gets gradient r + 1, in place
-        owner = to_position_order(torch.arange(C).repeat_interleave(S // C) + 1.0, C, layout, 0)
+        owner = to_position_order(torch.arange(C).repeat_interleave(S // C) + 1.0, C, layout, 0)  # cpu: expected
         inverse = inverse and torch.equal(gather_sequence(part, layout=layout), x.detach()) and \
             torch.equal(x.grad.flatten().cpu(), owner.double())
         x.grad = None

@@ -134,7 +134,9 @@ def assert_within_bound(results):
        seed=st.integers(0, 1000))
 def test_ring_and_allgather_equal_sdpa_on_the_whole_sequence_outputs_and_gradients(world, data, b, d, chunk,
                                                                                     seed):
-    """A context-parallel group of any ranks of the world (size C), any head count (a multiple of C half the
+    """Ring and naive attention equal SDPA on the whole sequence: out, dq, dk, dv, causal or not, both layouts.
+
+    A context-parallel group of any ranks of the world (size C), any head count (a multiple of C half the
     time), chunk tokens in each chunk of the layout (S = 2C*chunk zigzag, C*chunk contiguous)."""
     ranks = sorted(data.draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=world, unique=True)))
     C = len(ranks)
@@ -362,13 +364,14 @@ def test_bad_input_raises_the_same_clear_error_on_every_rank(name, C):
 @pytest.mark.single_process
 @given(n=st.integers(2, 12), d=st.integers(1, 6), data=st.data(), seed=st.integers(0, 1000))
 def test_merge_of_attention_over_two_key_sets_is_attention_over_both(n, d, data, seed):
-    """Attention of one query block over keys [0, a) and over [a, n), merged by log-sum-exp, equals softmax over
-    all n keys; merged into the ring's start (out 0, lse -inf), a block comes out unchanged. Bound: an lse is
+    """merge of attention over keys [0, a) and over [a, n) equals softmax attention over all n keys.
+
+    Merged into the ring's start (out 0, lse -inf), a block comes out unchanged. Bound: an lse is
     off by ~u (|s| + log n) per rounding, which is a relative error of a weight e^(lse_j - lse'); out sums
     n weighted values of size max|v|."""
     a = data.draw(st.integers(1, n - 1))
-    q, k, v = (torch.randn(2, 3, m, d, dtype=F64, generator=torch.Generator().manual_seed(seed + i))
-               for i, m in enumerate((4, n, n)))  # cpu: a single-process property, no rank
+    q, k, v = (torch.randn(2, 3, m, d, dtype=F64, generator=torch.Generator().manual_seed(seed + i))  # cpu: one
+               for i, m in enumerate((4, n, n)))                                                    # process
     s = q @ k.transpose(-2, -1) / math.sqrt(d)
     parts = [(s[..., keys].softmax(-1) @ v[:, :, keys], s[..., keys].logsumexp(-1, keepdim=True))
              for keys in (slice(0, a), slice(a, n))]

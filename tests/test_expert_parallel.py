@@ -60,7 +60,7 @@ def expert_group(W, strided):
 
 def tokens(seed, index, q, n, h, skew):
     """Rank q's tokens in group `index`, rebuilt identically on every rank of the group."""
-    x = torch.randn(n, h, dtype=F64, generator=torch.Generator().manual_seed(seed * 1009 + index * 101 + q))
+    x = torch.randn(n, h, dtype=F64, generator=torch.Generator().manual_seed(seed * 1009 + index * 101 + q))  # cpu: .to
     return (x.abs() + 0.1 if skew else x).to(device())
 
 
@@ -73,7 +73,7 @@ def equivalence_worker(seed, W, strided, E, k, cf, h, ffn, counts, transport, sk
     dense = MoE(h, ffn, E, k, cf, device=device(), dtype=F64)
     if skew:  # positive tokens, router rows 10, 9, .. on the first k experts: every token goes there
         with torch.no_grad():
-            dense.router.weight.fill_(-10)[:k] = torch.arange(10, 10 - k, -1, dtype=F64)[:, None]
+            dense.router.weight.fill_(-10)[:k] = torch.arange(10, 10 - k, -1, dtype=F64, device=device())[:, None]
     xs = [tokens(seed, index, q, n, h, skew) for q, n in enumerate(counts)]
     dys = [tokens(seed + 7, index, q, n, h, False) for q, n in enumerate(counts)]
     moe = ep.shard_from_dense(ep.ExpertParallelMoE(h, ffn, E, k, cf, group, TRANSPORTS[transport], device(), F64),
@@ -118,6 +118,7 @@ def assert_equal_to_one_process(r):
        skew=st.booleans(), seed=st.integers(0, 1000))
 def test_expert_parallel_equals_one_process_moe_outputs_aux_drops_and_gradients(data, W, k, cf, h, ffn,
                                                                                 transport, skew, seed):
+    """Expert-parallel MoE equals the one-process MoE: outputs, aux loss, drops, every gradient, bytes sent."""
     pool = data.draw(st.integers(W, 5), "pool")
     strided = data.draw(st.booleans(), "strided") if pool // W > 1 else False
     E = W * data.draw(st.integers(1, 3), "experts per rank")
@@ -142,7 +143,9 @@ def test_expert_parallel_equals_one_process_moe_outputs_aux_drops_and_gradients(
 
 @pytest.mark.exercise
 def test_a_rank_with_no_tokens_and_ranks_that_send_nothing_to_some_rank():
-    """Group of 3: rank 0 holds no token; every token goes to the first experts, all on rank 0, so ranks
+    """A rank with no tokens, and ranks that send some ranks nothing, still equal the one-process MoE.
+
+    Group of 3: rank 0 holds no token; every token goes to the first experts, all on rank 0, so ranks
     1 and 2 send nothing to each other and receive nothing at all. Capacity C = ceil(0.5 * n * 2 / 6) per
     expert: 2 for rank 1's 7 tokens, 1 for rank 2's 4, so experts 0 and 1 keep 2 * C choices of 2n."""
     results = run(3, equivalence_worker, 5, 3, False, 6, 2, 0.5, 4, 3, [0, 7, 4], "p2p", True)
@@ -173,11 +176,11 @@ def all_to_all_worker(seed, W, strided, dtype, trailing):
     if index is None:
         return None
     me, g = dist.get_rank(group), torch.Generator().manual_seed(seed * 31 + index)
-    splits = torch.randint(0, 4, (W, W), generator=g)             # splits[i, j]: rows from i to j (the same
-    splits[torch.rand(W, W, generator=g) < 0.3] = 0                # table on every rank, many zeros)
+    splits = torch.randint(0, 4, (W, W), generator=g)             # cpu: splits[i, j], rows from i to j (the same
+    splits[torch.rand(W, W, generator=g) < 0.3] = 0                # cpu: table on every rank, many zeros)
     send, recv = splits[me].tolist(), splits[:, me].tolist()
-    x = torch.randint(0, 200, (sum(send), *trailing), generator=torch.Generator().manual_seed(seed + me))
-    x = x.to(DTYPES[dtype]).to(device())
+    x = torch.randint(0, 200, (sum(send), *trailing), generator=torch.Generator().manual_seed(seed + me)).to(device())
+    x = x.to(DTYPES[dtype])
     ours = ep.p2p_all_to_all(x.new_empty((sum(recv), *trailing)), x, recv, send, group)
     native = x.new_empty((sum(recv), *trailing))
     dist.all_to_all_single(native, x, recv, send, group=group)

@@ -23,7 +23,7 @@ from test_expert_parallel import CAPACITY_FACTORS, F64, TOL, rel_err
 @pytest.mark.single_process
 def test_capacity_keeps_first_choices_before_second_then_token_order_and_counts_drops(n, E, k, cf, seed):
     k = min(k, E)
-    logits = torch.randn(n, E, dtype=F64, generator=torch.Generator().manual_seed(seed))
+    logits = torch.randn(n, E, dtype=F64, generator=torch.Generator().manual_seed(seed))  # cpu: one process
     r = route(logits, k, cf)
     C = n * k if cf is None else math.ceil(cf * n * k / E)
     filled, keep = [0] * E, [[None] * k for _ in range(n)]
@@ -46,12 +46,12 @@ def test_one_process_moe_equals_the_formula_token_by_token(n, E, k, cf, h, seed)
     k = min(k, E)
     torch.manual_seed(seed)
     moe = MoE(h, 3, E, k, cf, dtype=F64)
-    x = torch.randn(n, h, dtype=F64)
+    x = torch.randn(n, h, dtype=F64)  # cpu: one process, as MoE(...) above
     y = moe(x)
     p = (x @ moe.router.weight.T).softmax(-1)
     C = n * k if cf is None else math.ceil(cf * n * k / E)
     filled = [0] * E
-    want = torch.zeros(n, h, dtype=F64)
+    want = torch.zeros(n, h, dtype=F64)  # cpu: one process
     top = p.topk(k, -1)
     for j in range(k):
         for t in range(n):
@@ -70,12 +70,12 @@ def test_aux_loss_is_switch_formula_and_its_gradient_reaches_only_the_router(n, 
     k = min(k, E)
     torch.manual_seed(seed)
     moe = MoE(4, 3, E, k, dtype=F64)
-    x = torch.randn(n, 4, dtype=F64)
+    x = torch.randn(n, 4, dtype=F64)  # cpu: one process, as MoE(...) above
     moe(x)
     logits = (x @ moe.router.weight.T).detach().requires_grad_()
     p = logits.softmax(-1)
     f = torch.tensor([sum(i in p[t].topk(k).indices.tolist() for t in range(n)) / (n * k) for i in range(E)],
-                     dtype=F64)
+                     dtype=F64)  # cpu: one process
     P = p.mean(0)
     assert abs(moe.aux_loss.item() - E * (f * P).sum().item()) <= TOL
     moe.aux_loss.backward()
@@ -89,6 +89,6 @@ def test_aux_loss_is_switch_formula_and_its_gradient_reaches_only_the_router(n, 
 
 def test_aux_loss_is_one_when_balanced_and_E_when_collapsed():
     E = 4
-    balanced = route(torch.eye(E, dtype=F64) * 60, 1).aux   # token t sure of expert t
-    collapsed = route(torch.zeros(E, E, dtype=F64).index_fill(1, torch.tensor([0]), 60), 1).aux
+    balanced = route(torch.eye(E, dtype=F64) * 60, 1).aux   # cpu: one process; token t sure of expert t
+    collapsed = route(torch.zeros(E, E, dtype=F64).index_fill(1, torch.tensor([0]), 60), 1).aux  # cpu: one process
     assert abs(balanced.item() - 1) < 1e-12 and abs(collapsed.item() - E) < 1e-12

@@ -30,7 +30,7 @@ def layout_round_trip(S, layout):
     x = torch.arange(S, dtype=F64, device=device()).view(1, 1, S, 1).requires_grad_()
     part = sl.split_sequence(x, layout=layout)
     (part * (r + 1)).sum().backward()
-    owner = torch.empty(S, dtype=F64)
+    owner = torch.empty(S, dtype=F64)  # cpu: expected values, compared after .cpu()
     for rank in range(C):
         owner[positions(rank, C, S, layout)] = rank + 1.0
     return (torch.equal(sl.gather_sequence(part, layout=layout), x.detach()),

@@ -15,7 +15,7 @@ from mini_dist.moe import MoE
 def uneven_splits(W, rows, seed=0):
     """splits[i, j]: rows from rank i to rank j, between 0.5 and 1.5 times an even share (same on every rank)."""
     g = torch.Generator().manual_seed(seed)
-    return (rows / W * (0.5 + torch.rand(W, W, generator=g))).long()
+    return (rows / W * (0.5 + torch.rand(W, W, generator=g))).long()  # cpu: a table of counts, read by .tolist()
 
 
 def all_to_all_rows(args) -> list[bench.Result]:
