@@ -1,4 +1,4 @@
-"""Sharded checkpoints: every rank writes its own shards, rank 0 commits a manifest, any world size loads.
+"""Sharded checkpoints: every rank writes its own share, a manifest written last commits them, any world size loads.
 
 A sharded job cannot gather its state on one rank to save it (the consolidated state dict of
 mini_dist/sharded_state.py: b*N bytes through one rank): each rank must write its 1/K in parallel, a
@@ -15,23 +15,20 @@ save   every rank writes its boxes' raw bytes to rank_0000r.bin (temporary name,
        sends rank 0 a record per box: name, global shape, dtype, offsets, lengths, byte range, crc32. Rank 0
        checks that the boxes hold every element exactly once and writes manifest.json the same way, LAST:
        a checkpoint without a manifest does not exist, so a crash at any moment leaves the last one intact.
-load   the planner intersects every box a rank wants with every saved box; the rank reads only the saved
-       boxes that overlap its own (whole, to check their crc32) and, once every rank has read without
-       error, copies the overlaps into place: any world size, any layout.
+load   the manifest is checked field by field (mini_dist/manifest.py: it may come from anywhere); the
+       planner intersects every box a rank wants with every saved box; the rank reads only the saved boxes
+       that overlap its own (whole, to check their crc32) and, once every rank has read without error,
+       copies the overlaps into place: any world size, any layout.
 
-Bytes: a rank writes b·N/K of state and ~150 B of record per box (rank 0 also the manifest). Every rank
-must see the same file system (one node, or a shared mount), as with DCP.
+Bytes: a rank writes b·N/K of state, ~150 B of record per box. Every rank sees one file system, as with DCP.
 
 Mirrors torch.distributed.checkpoint (DCP): a box is its ChunkStorageMetadata(offsets, sizes), the manifest
-its .metadata (written last, by the coordinator), plan() its LoadPlanner's ReadItems. DCP adds storage
-plugins (StorageWriter/Reader: file system, fsspec, safetensors), replaceable planners, get_state_dict
-(FSDP/TP models and optimizers as DTensors) and async_save (state staged in CPU memory, written while
-training goes on). The formats do not meet: DCP pickles its metadata and writes each chunk as a torch.save
-archive; here the manifest is JSON and the chunks raw bytes with a crc32.
+its .metadata (written last, by the coordinator), plan() its LoadPlanner's ReadItems. DCP pickles its
+metadata (a load runs whatever code it names) and writes each chunk as a torch.save archive; here the
+manifest is JSON and the chunks raw bytes with a crc32.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/checkpoint.py [--rows 301 --cols 97]
 """
-import ast
 import json
 import os
 import shutil
@@ -39,7 +36,6 @@ import sys
 import tempfile
 import zlib
 from dataclasses import dataclass
-from itertools import combinations
 from math import prod
 from pathlib import Path
 
@@ -50,18 +46,13 @@ if not __package__:  # run as `torchrun mini_dist/checkpoint.py`: Python put min
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mini_dist.kit import launch, timing
-
-MANIFEST = "manifest.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or read as asked; raised on every rank, naming ranks and files."""
+from mini_dist.manifest import (DTYPES, MANIFEST, VERSION, CheckpointError, literal_text, overlap, read_manifest,
+                                tiling)
 
 
 @dataclass(frozen=True)
 class Sharded:
-    """This rank's part of a global tensor of `shape`: boxes (offsets, data), data holding the elements
-    [offsets, offsets + data.shape). A rank may hold no box (its slice is empty), or several."""
+    """This rank's part of a global tensor: boxes (offsets, data) of the elements [offsets, offsets + data.shape)."""
     shape: tuple
     dtype: torch.dtype
     boxes: tuple = ()
@@ -72,38 +63,18 @@ def as_sharded(value: torch.Tensor, holds: bool = True) -> Sharded:
     return Sharded(tuple(value.shape), value.dtype, (((0,) * value.dim(), value),) if holds else ())
 
 
-def overlap(offsets, lengths, other_offsets, other_lengths):
-    """The box two boxes share, (offsets, lengths), or None."""
-    lo = [max(a, b) for a, b in zip(offsets, other_offsets)]
-    hi = [min(a + m, b + n) for a, m, b, n in zip(offsets, lengths, other_offsets, other_lengths)]
-    return None if any(h <= l for l, h in zip(lo, hi)) else (lo, [h - l for l, h in zip(lo, hi)])
-
-
-def within(box_offsets, lo, lengths) -> tuple:
-    """Index of the shared box (lo, lengths) inside a box that starts at box_offsets."""
-    return tuple(slice(a - o, a - o + n) for a, o, n in zip(lo, box_offsets, lengths))
-
-
 # ----------------------------------------------------------------------------- save
 
 def write_atomically(path: str, chunks) -> None:
     """Temporary name, write, flush, fsync, rename: whoever opens `path` sees the old file or the whole new one."""
+    # exercise: write the chunks to path + ".tmp", flush and fsync it, then os.replace it onto path
     with open(path + ".tmp", "wb") as f:
         for chunk in chunks:
             f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
-
-
-def literal(name: str, value) -> str:
-    """repr(value), if ast.literal_eval gives value back: data, never code (pickle would run code on load)."""
-    try:
-        if ast.literal_eval(text := repr(value)) == value:
-            return text
-    except (ValueError, SyntaxError):
-        pass
-    raise ValueError(f"{name!r} is neither a tensor nor a Python literal: {text[:80]}")
+    # end exercise
 
 
 def write_shard(state: dict, path: str, rank: int) -> dict:
@@ -114,15 +85,15 @@ def write_shard(state: dict, path: str, rank: int) -> dict:
         if isinstance(value, torch.Tensor):  # replicated: written once, by rank 0
             value = as_sharded(value, rank == 0)
         if not isinstance(value, Sharded):
-            record["objects"][name] = literal(name, value)
+            record["objects"][name] = literal_text(name, value)
             continue
         record["tensors"][name] = [list(value.shape), str(value.dtype).removeprefix("torch.")]
         for offsets, data in value.boxes:
-            if data.dtype != value.dtype or len(offsets) != len(value.shape) or any(
-                    o < 0 or o + n > s for o, n, s in zip(offsets, data.shape, value.shape)):
+            if data.dtype != value.dtype or record["tensors"][name][1] not in DTYPES or len(offsets) != len(
+                    value.shape) or any(o < 0 or o + n > s for o, n, s in zip(offsets, data.shape, value.shape)):
                 raise ValueError(f"a box of {name!r} at {offsets} of {tuple(data.shape)} {data.dtype} is not "
-                                 f"inside its {value.shape} {value.dtype}")
-            raw = data.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+                                 f"inside its {value.shape} {value.dtype} (or not of {', '.join(DTYPES)})")
+            raw = data.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()  # cpu: bytes for a file
             if raw.nbytes:
                 record["pieces"].append({"name": name, "file": name_of_file, "offsets": list(offsets),
                                          "lengths": list(data.shape), "start": start, "nbytes": raw.nbytes,
@@ -138,20 +109,18 @@ def merge(records: list) -> dict:
     """Rank 0: every rank's records into one manifest, after checking that the ranks agree on every
     name, shape, dtype and literal, and that each tensor's boxes hold each of its elements exactly once."""
     first, pieces = records[0], [p for r in records for p in r["pieces"]]
-    for rank, r in enumerate(records):
-        for kind in ("tensors", "objects"):
-            if r[kind] != first[kind]:
-                name = next(n for n in {**first[kind], **r[kind]} if first[kind].get(n) != r[kind].get(n))
-                raise ValueError(f"ranks disagree about {name!r}: rank 0 has {first[kind].get(name)}, rank {rank} "
+    for (rank, r), kind in ((r, k) for r in enumerate(records) for k in ("tensors", "objects")):
+        if r[kind] != first[kind]:
+            name = next(n for n in {**first[kind], **r[kind]} if first[kind].get(n) != r[kind].get(n))
+            raise ValueError(f"ranks disagree about {name!r}: rank 0 has {first[kind].get(name)}, rank {rank} "
                                  f"{r[kind].get(name)}; every rank passes the same names, shapes and values")
     for name, (shape, _) in first["tensors"].items():
-        boxes = [(p["offsets"], p["lengths"]) for p in pieces if p["name"] == name]
-        held, twice = sum(prod(n) for _, n in boxes), any(overlap(*a, *b) for a, b in combinations(boxes, 2))
+        held, twice = tiling([(p["offsets"], p["lengths"]) for p in pieces if p["name"] == name])
         if held != prod(shape) or twice:
             raise ValueError(f"the ranks' boxes of {name!r} hold {held} elements of its {prod(shape)}"
                              f"{', some twice' if twice else ''}: each element must be saved by one rank")
-    return {"world_size": len(records), "tensors": first["tensors"], "objects": first["objects"],
-            "files": dict(r["file"] for r in records), "pieces": pieces}
+    return {"version": VERSION, "world_size": len(records), "tensors": first["tensors"],
+            "objects": first["objects"], "files": dict(r["file"] for r in records), "pieces": pieces}
 
 
 def save(state: dict, path: str, group=None) -> None:
@@ -184,18 +153,11 @@ def save(state: dict, path: str, group=None) -> None:
 
 # ----------------------------------------------------------------------------- load
 
-def read_manifest(path: str) -> dict:
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"{path} has no {MANIFEST}: not a complete checkpoint (its save never finished); "
-                         f"load an earlier one") from None
-
-
 def plan(manifest: dict, state: dict) -> list:
     """The planner, no I/O: for every box this rank wants, each saved piece it overlaps, as
     (saved piece, index into the saved box, destination view). Refuses what the checkpoint cannot fill."""
+    def within(box_offsets, lo, lengths):  # the index of the shared box (lo, lengths) in a box at box_offsets
+        return tuple(slice(a - o, a - o + n) for a, o, n in zip(lo, box_offsets, lengths))
     reads = []
     for name, value in state.items():
         if isinstance(value, torch.Tensor):
@@ -209,6 +171,8 @@ def plan(manifest: dict, state: dict) -> list:
             raise ValueError(f"{name!r}: the checkpoint holds {saved or 'no such tensor'}, this rank wants "
                              f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}")
         for offsets, data in value.boxes:
+            # exercise: each saved piece of `name` that the box overlaps: append (piece, its index within the
+            # saved box, the view of data it fills); refuse the box if the pieces do not hold all of it
             found = 0
             for piece in (p for p in manifest["pieces"] if p["name"] == name):
                 shared = overlap(offsets, data.shape, piece["offsets"], piece["lengths"])
@@ -218,28 +182,39 @@ def plan(manifest: dict, state: dict) -> list:
             if found != data.numel():
                 raise ValueError(f"{name!r}: the box at {list(offsets)} of {list(data.shape)} is not all in "
                                  f"the checkpoint ({found} of {data.numel()} elements)")
+            # end exercise
     return reads
-
-
 def read_pieces(path: str, manifest: dict, reads: list) -> dict:
-    """Each saved piece that `reads` needs, read once, whole, and checked against its crc32."""
+    """Each saved piece that `reads` needs, read once, whole, and checked against its crc32. The manifest
+    was checked: each piece's bytes lie inside its file as it is on disk."""
     loaded = {}
     for piece, _, _ in reads:
         key = (piece["file"], piece["start"])
         if key in loaded:
             continue
-        raw, file = torch.empty(piece["nbytes"], dtype=torch.uint8), os.path.join(path, piece["file"])
+        raw, file = torch.empty(piece["nbytes"], dtype=torch.uint8), os.path.join(path, piece["file"])  # cpu: read
         with open(file, "rb") as f:
             f.seek(piece["start"])
             got = f.readinto(memoryview(raw.numpy()))
-        what = f"{file}: bytes [{piece['start']}, {piece['start'] + piece['nbytes']}) of tensor {piece['name']!r}"
-        if got < piece["nbytes"]:
-            raise ValueError(f"{what} end past the end of the file ({os.path.getsize(file)} B, "
-                             f"{manifest['files'][piece['file']]} when saved): the file is truncated")
-        if zlib.crc32(raw.numpy()) != piece["crc32"]:
-            raise ValueError(f"{what} fail their crc32 check: the file was altered after it was saved")
-        loaded[key] = raw.view(getattr(torch, manifest["tensors"][piece["name"]][1])).reshape(piece["lengths"])
+        if got < piece["nbytes"] or zlib.crc32(raw.numpy()) != piece["crc32"]:
+            raise ValueError(f"{file}: bytes [{piece['start']}, {piece['start'] + piece['nbytes']}) of tensor "
+                             f"{piece['name']!r} fail their crc32 check: the file was altered after it was saved")
+        loaded[key] = raw.view(DTYPES[manifest["tensors"][piece["name"]][1]]).reshape(piece["lengths"])
     return loaded
+
+
+def everyone(what: str, step, group=None):
+    """step() on every rank; if it fails on any, every rank raises one CheckpointError naming each failed rank
+    (a raw error on one rank would leave the others waiting in their next collective)."""
+    try:
+        result, problem = step(), None
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError) as e:
+        result, problem = None, f"rank {dist.get_rank(group)}: {e}"
+    problems = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, problem, group=group)
+    if any(problems):
+        raise CheckpointError(f"{what}: " + "; ".join(p for p in problems if p))
+    return result
 
 
 @torch.no_grad()
@@ -248,21 +223,16 @@ def load(state: dict, path: str, group=None) -> dict:
     tensor in place, each other value replaced by the saved one. Nothing changes unless every rank can
     read all it wants; else every rank raises the same CheckpointError. Returns this rank's bytes read
     (whole saved boxes) and wanted."""
-    try:
+    def read():
         manifest = read_manifest(path)
         reads = plan(manifest, state)
-        loaded, problem = read_pieces(path, manifest, reads), None
-    except (OSError, ValueError, KeyError) as e:
-        problem = f"rank {dist.get_rank(group)}: {e}"
-    problems = [None] * dist.get_world_size(group)
-    dist.all_gather_object(problems, problem, group=group)
-    if any(problems):
-        raise CheckpointError("cannot load: " + "; ".join(p for p in problems if p))
+        return manifest, reads, read_pieces(path, manifest, reads)
+    manifest, reads, loaded = everyone(f"cannot load {path}", read, group)
     for piece, index, destination in reads:
         destination.copy_(loaded[piece["file"], piece["start"]][index])
     for name, value in state.items():
         if not isinstance(value, (torch.Tensor, Sharded)):
-            state[name] = ast.literal_eval(manifest["objects"][name])
+            state[name] = manifest["values"][name]
     return {"bytes read": sum(t.nbytes for t in loaded.values()), "bytes wanted": sum(d.nbytes for *_, d in reads)}
 
 
@@ -285,13 +255,13 @@ def demo(args) -> int:
     launch.require(min(args.rows, args.cols) >= 1, "--rows and --cols must be at least 1")
     env, g = launch.setup(), torch.Generator().manual_seed(0)  # every rank: the same global tensors
     rank, K = env.rank, env.world_size
-    full = {n: torch.randn(s, generator=g) for n, s in [("w", (args.rows, args.cols)), ("b", (args.cols,)),
-                                                          ("e", (3, args.rows, 5))]}
-    state = {**{n: share(t, rank, K) for n, t in full.items()}, "step": torch.tensor(7), "data": {"epoch": 2}}
+    full = {n: torch.randn(s, generator=g).to(env.device)
+            for n, s in [("w", (args.rows, args.cols)), ("b", (args.cols,)), ("e", (3, args.rows, 5))]}
+    state = {**{n: share(t, rank, K) for n, t in full.items()}, "step": torch.tensor(7, device=env.device),
+             "data": {"epoch": 2}}
     where = [tempfile.mkdtemp(prefix="mini_dist_checkpoint_") if rank == 0 else None]
     dist.broadcast_object_list(where)
     path, N, rows = os.path.join(where[0], "step_7"), sum(t.numel() for t in full.values()), [None] * K
-
     ms = timing.timed(lambda: save(state, path)) * 1e3  # on the slowest rank
     dist.all_gather_object(rows, (sum(d.nbytes for v in state.values() if isinstance(v, Sharded) for _, d in v.boxes),
                                   os.path.getsize(os.path.join(path, f"rank_{rank:05d}.bin"))))
@@ -300,7 +270,8 @@ def demo(args) -> int:
                   f"{b:>8,} ({b / (4 * N):.3f}){' + 8 (step)' if r == 0 else ''}\n" for r, (b, size) in enumerate(rows))
                   + f"  {MANIFEST}   {os.path.getsize(os.path.join(path, MANIFEST)):>8,} B, written last by rank 0")
     exact = all(size == b + 8 * (r == 0) for r, (b, size) in enumerate(rows)) and sum(b for b, _ in rows) == 4 * N
-    back = {**{n: share(torch.zeros_like(t), rank, K) for n, t in full.items()}, "step": torch.tensor(0), "data": None}
+    back = {**{n: share(torch.zeros_like(t), rank, K) for n, t in full.items()},
+            "step": torch.zeros_like(state["step"]), "data": None}
     ms = timing.timed(lambda: load(back, path)) * 1e3
     equal = bool(back["step"] == 7) and back["data"] == state["data"] and all(
         torch.equal(a, b) for n in full for (_, a), (_, b) in zip(back[n].boxes, state[n].boxes))
@@ -308,12 +279,11 @@ def demo(args) -> int:
                   f"and layouts: mini_dist/reshard.py)")
     refused = 0
     for fault in ("a flipped byte", "a truncated file"):
-        if rank == 0:
-            with open(os.path.join(path, f"rank_{min(1, K - 1):05d}.bin"), "r+b") as f:
-                f.seek(f.seek(0, os.SEEK_END) // 2)
-                byte = f.read(1)[0]
-                f.seek(-1, os.SEEK_CUR)
-                f.write(bytes([byte ^ 1])) if fault == "a flipped byte" else f.truncate()
+        if rank == 0:  # rank 1's file (rank 0's if alone), in its middle
+            f = Path(path, f"rank_{min(1, K - 1):05d}.bin")
+            raw = bytearray(f.read_bytes())
+            raw[len(raw) // 2] ^= 1
+            f.write_bytes(raw if fault == "a flipped byte" else raw[:len(raw) // 2])
         dist.barrier()
         try:
             load({n: share(torch.zeros_like(t), rank, K) for n, t in full.items()}, path)

@@ -37,6 +37,8 @@ from mini_dist.kit import launch
 from mini_dist.checkpoint import Sharded
 from mini_dist.fsdp import FullyShardedDataParallel
 from mini_dist.reshard import fsdp_layout, load_module_state, load_zero_state, module_state, zero_state
+from mini_dist.kit.models import mlp, random_batch_steps
+from mini_dist.sharded_state import consolidated_state_dict
 from mini_dist.zero import ZeroOptimizer
 
 
@@ -170,6 +172,50 @@ def train(args, save_to: str | None = None, resume_from: str | None = None, cras
     return mine, losses, start
 
 
+def reload_at_half_the_ranks(width: int = 8, steps: int = 2) -> tuple[str, bool]:
+    """Question 24, on every rank: ZeRO-1 with Adam on K ranks saves; ZeRO-2 on K // 2 ranks (at least one),
+    built from another seed, loads it. Returns the files written and whether the parameters and Adam state
+    came back bit for bit and a load with the manifest deleted was refused on every rank."""
+    K, r, k = dist.get_world_size(), dist.get_rank(), max(1, dist.get_world_size() // 2)
+
+    def zero_adam(seed, stage, group=None):
+        model = mlp([width, 3 * width, width], seed=seed).to(launch.device())
+        return model, ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage=stage, group=group, lr=0.01)
+    model, opt = zero_adam(0, 1)
+    random_batch_steps(model, model, opt, steps)
+    where, half = [tempfile.mkdtemp(prefix="mini_dist_recovery_") if r == 0 else None], launch.new_group(range(k))
+    dist.broadcast_object_list(where)
+    path, same, refused = os.path.join(where[0], f"step_{steps:08d}"), torch.ones((), device=launch.device()), False
+    try:
+        checkpoint.save(zero_state(opt), path)
+        files = {f: os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path))}
+        saved = consolidated_state_dict(opt, to=None)
+        if r < k:  # a refused load raises on every rank of `half`: they go on to meet the others below
+            model2, opt2 = zero_adam(1, 2, half)
+            try:
+                load_zero_state(path, opt2, half)
+            except checkpoint.CheckpointError:
+                same.fill_(0)
+            again = consolidated_state_dict(opt2, to=None)
+            same.mul_(all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters())) and all(
+                torch.equal(again["state"][i][n], v) for i, s in saved["state"].items() for n, v in s.items()))
+        dist.all_reduce(same, dist.ReduceOp.MIN)
+        if r == 0:
+            os.remove(os.path.join(path, checkpoint.MANIFEST))
+        dist.barrier()
+        try:
+            checkpoint.load(zero_state(opt), path)
+        except checkpoint.CheckpointError:
+            refused = True
+    finally:
+        if r == 0:
+            shutil.rmtree(where[0], ignore_errors=True)
+    return (f"ZeRO-1 with Adam on {K} ranks saved {', '.join(f'{f} {n:,} B' for f, n in files.items())} (the "
+            f"manifest written last); loaded as ZeRO-2 on {k} ranks: parameters and Adam state bit for bit: "
+            f"{bool(same)}; with the manifest gone, the load is refused on every rank: {refused}"), \
+        bool(same) and refused and len(files) == K + 1 and checkpoint.MANIFEST in files
+
+
 # ----------------------------------------------------------------------------- demo
 
 def parser():
@@ -223,11 +269,13 @@ def demo(args) -> int:
         launch.print0(f"{i + 1:>5}  {a:.10f}  {'=' if a == b else f'{b:.10f}':^7}  "
                       f"{'=' if a == c else f'{c:.10f}'}{mark}")
     same = losses == resumed_losses and all(torch.equal(a, b) for a, b in zip(reference, resumed))
+    figure, holds = reload_at_half_the_ranks()
+    launch.print0(f"the same checkpoint format at another world size: {figure}")
     diverged = newest is None or start == args.steps or naive_losses[start] != losses[start]
     if env.rank == 0 and not args.dir:
         shutil.rmtree(where[0])
-    return launch.conclude("recovery", same, "killed and resumed = uninterrupted, bit for bit (parameters, "
-                           "Adam state, losses)", diverged,
+    return launch.conclude("recovery", same and holds, "killed and resumed = uninterrupted, bit for bit "
+                           "(parameters, Adam state, losses); reloaded at K // 2", diverged,
                            f"lost {args.kill_at - 1 - start} <= E - 1 = {args.every - 1} steps; a naive restart "
                            f"leaves the curve at step {start + 1}")
 

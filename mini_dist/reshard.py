@@ -28,7 +28,6 @@ boxes reads more: the columns of a row-major flat range touch every saved box of
 Mirrors torch.distributed.checkpoint.state_dict (get_state_dict / set_state_dict), which presents FSDP and
 TP models and optimizers to DCP as DTensors under the parameters' fully qualified names.
 """
-import ast
 import os
 import shutil
 import sys
@@ -121,15 +120,29 @@ def saved_keys(manifest: dict, name: str) -> dict:
             manifest["tensors"].items() if k.startswith(prefix) and "." not in k[len(prefix):]}
 
 
+def read_saved(path: str, groups: int | None, group=None) -> tuple:
+    """Collective: the checked manifest and its list of per-element state keys, once every rank found them
+    and `groups` param groups' settings (None: no optimizer) in it; else CheckpointError on every rank."""
+    def read():
+        manifest = checkpoint.read_manifest(path)
+        per = manifest["values"].get("optim.per_element", [])
+        saved = manifest["values"].get("optim.param_groups", [{}] * (groups or 0))
+        if not (isinstance(per, list) and all(isinstance(k, str) for k in per) and groups in (None, len(saved))
+                and all(isinstance(s, dict) and all(isinstance(k, str) for k in s) for s in saved)):
+            raise ValueError(f"checkpoint {path} refused: objects optim.per_element and optim.param_groups are not "
+                             f"a list of names and {groups} param groups' settings")
+        return manifest, per
+    return checkpoint.everyone(f"cannot load {path}", read, group)
+
+
 def load_module_state(path: str, layout: dict, optimizer=None, group=None) -> dict:
     """Collective: parameters in place, and the optimizer's state (built fresh, each per-element tensor
     shaped like its local parameter) from checkpoint `path`, whatever layout and world size saved it."""
-    manifest = checkpoint.read_manifest(path)
+    manifest, per = read_saved(path, optimizer and len(optimizer.param_groups), group)
     state = {f"model.{n}": cut(p.detach()) for n, (p, cut) in layout.items()}
     fresh = {}
     if optimizer is not None:
         named = {id(p): (n, cut) for n, (p, cut) in layout.items()}
-        per = ast.literal_eval(manifest["objects"].get("optim.per_element", "[]"))
         for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
             name, cut = named[id(p)]
             for k, (shape, dtype) in saved_keys(manifest, name).items():
@@ -174,15 +187,15 @@ def zero_state(zero) -> dict:
 def load_zero_state(path: str, zero, group=None) -> dict:
     """Collective: a ZeroOptimizer of any stage and world size takes every parameter whole and its own
     shard of the optimizer state from checkpoint `path`, whatever layout saved it."""
-    manifest = checkpoint.read_manifest(path)
-    per = ast.literal_eval(manifest["objects"].get("optim.per_element", "[]"))
+    manifest, per = read_saved(path, len(zero.param_groups), group)
     own, scalars, stepped, state = {}, {}, set(), {"optim.param_groups": None}
     for name, p, j, x, y, a in zero_pieces(zero, zero.lo, zero.hi):
         state[f"model.{name}"] = flat_shard(zero.flat[a:a + p.numel()], p.shape, 0)  # every rank: all of it
         for k, (shape, dtype) in saved_keys(manifest, name).items():
             stepped.add(j)
             if k not in per:  # a ZeRO group has one step: every parameter's saved copy of it is the same
-                state[f"optim.state.{name}.{k}"] = scalars.setdefault((j, k), torch.zeros(shape, dtype=dtype))
+                state[f"optim.state.{name}.{k}"] = scalars.setdefault(
+                    (j, k), torch.zeros(shape, dtype=dtype))  # cpu: Adam keeps its step on the CPU
             elif k != "master_param" or zero.has_master:
                 vector = own.setdefault(k, torch.zeros(zero.hi - zero.lo, dtype=dtype, device=zero.flat.device))
                 state[f"optim.state.{name}.{k}"] = flat_shard(vector[x - zero.lo:y - zero.lo], p.shape, x - a)
@@ -218,11 +231,12 @@ def demo(args) -> int:
     from mini_dist.tensor_parallel import ParallelMLP
     from mini_dist.zero import ZeroOptimizer
     env, w = launch.setup(), args.width
-    x = [torch.randn(4, w, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in (env.rank, 0)]
+    x = [torch.randn(4, w, dtype=torch.float64, generator=torch.Generator().manual_seed(r)).to(env.device)
+         for r in (env.rank, 0)]
 
     def zero(group, first):  # -> (state, load, tensors to compare, train)
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(w, 3 * w), nn.Tanh(), nn.Linear(3 * w, w)).double()
+        model = nn.Sequential(nn.Linear(w, 3 * w), nn.Tanh(), nn.Linear(3 * w, w)).to(env.device, torch.float64)
         z = ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage=1 if first else 2, group=group, lr=0.01)
         return (lambda: zero_state(z), lambda path: load_zero_state(path, z, group),
                 lambda: [*model.parameters(), *(t for s in z.optimizer.state.values() for t in s.values())],
@@ -240,8 +254,8 @@ def demo(args) -> int:
 
     def tp(group, first):  # T = K ranks first, then one dense process with the same parameter names
         torch.manual_seed(0)
-        model = ParallelMLP(w, group=group, dtype=torch.float64) if first else nn.Sequential(
-            nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w)).double()
+        model = ParallelMLP(w, group=group, device=env.device, dtype=torch.float64) if first else nn.Sequential(
+            nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w)).to(env.device, torch.float64)
         return plain(model, lambda: module_layout(model, group), group, x[1])
 
     where = [tempfile.mkdtemp(prefix="mini_dist_reshard_") if env.rank == 0 else None]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import RankFailure, device, run
+from harness import BACKEND, RankFailure, device, run
 from mini_dist import checkpoint, recovery
 from mini_dist.checkpoint import CheckpointError, Sharded, overlap
 from mini_dist.reshard import flat_shard
@@ -66,15 +66,21 @@ def save_worker(path, spec, seed):
 
 
 def load_worker(path, spec, seed):
+    """Load at this world size in the spec's load layouts: (the first element that differs from what was
+    saved, or None; the load's byte counts; the boxes this rank wanted)."""
     want = state_of(spec, seed, zeros=True)
     stats = checkpoint.load(want, path)
-    equal = want["run"] == state_of(spec, seed)["run"]
+    difference = None if want["run"] == state_of(spec, seed)["run"] else f"literal 'run' is {want['run']!r}"
     for i, (shape, dtype, _, _) in enumerate(spec):
         t = global_tensor(shape, dtype, seed + i)
         for name, offsets, lengths, data in boxes(want, f"t{i}"):
-            equal &= data.dtype == t.dtype and torch.equal(data, t[tuple(slice(o, o + n) for o, n in
-                                                                           zip(offsets, lengths))])
-    return equal, stats, [b[:3] for name in want for b in boxes(want, name) if b[3].numel()]
+            saved = t[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+            if difference is None and not (data.dtype == t.dtype and torch.equal(data, saved)):
+                at = tuple((data != saved).nonzero()[0].tolist()) if data.dtype == t.dtype else ()
+                difference = (f"{name}, box at {offsets}: element {[o + a for o, a in zip(offsets, at)]} is "
+                              f"{data[at].tolist()}, saved {saved[at].tolist()}" if at or not data.dim() else
+                              f"{name} came back as {data.dtype}, saved {t.dtype}")
+    return difference, stats, [b[:3] for name in want for b in boxes(want, name) if b[3].numel()]
 
 
 def gathered(state: dict) -> dict:
@@ -106,6 +112,7 @@ specs = st.lists(st.tuples(st.lists(st.integers(1, 7), min_size=0, max_size=3).m
                            st.sampled_from(sorted(DTYPES)), layouts, layouts), min_size=1, max_size=4)
 
 
+@pytest.mark.exercise
 @settings(max_examples=15)
 @given(world=st.integers(1, 5), world_after=st.integers(1, 5), spec=specs, seed=st.integers(0, 99))
 def test_saved_at_k_ranks_loaded_at_k_prime_in_any_layout_is_bit_for_bit_and_reads_only_overlapping_boxes(
@@ -116,8 +123,8 @@ def test_saved_at_k_ranks_loaded_at_k_prime_in_any_layout_is_bit_for_bit_and_rea
         manifest = checkpoint.read_manifest(path)
         total = sum(global_tensor(s, d, seed + i).nbytes for i, (s, d, _, _) in enumerate(spec))
         assert sum(sizes) == total  # every element saved once: replicated ones by rank 0 alone
-        for equal, stats, wanted in run(world_after, load_worker, path, spec, seed):
-            assert equal
+        for rank, (difference, stats, wanted) in enumerate(run(world_after, load_worker, path, spec, seed)):
+            assert difference is None, f"saved at K = {world}, loaded at K' = {world_after}: rank {rank}: {difference}"
             # the rank reads exactly the saved boxes that overlap one of its own, each once
             touched = {(p["file"], p["start"]): p["nbytes"] for p in manifest["pieces"] for name, o, n in wanted
                        if p["name"] == name and overlap(o, n, p["offsets"], p["lengths"])}
@@ -127,6 +134,26 @@ def test_saved_at_k_ranks_loaded_at_k_prime_in_any_layout_is_bit_for_bit_and_rea
 
 
 SPEC = [((5, 3), "float64", "flat", "rows"), ((7,), "int64", "rows", "cols"), ((), "float32", "whole", "whole")]
+
+
+@pytest.mark.single_process
+@pytest.mark.exercise
+def test_write_atomically_leaves_the_old_file_whole_if_the_writer_fails_and_syncs_before_the_rename(
+        tmp_path, monkeypatch):
+    file = tmp_path / "rank_00000.bin"
+    file.write_bytes(b"the old file")
+
+    def half_then_fail():
+        yield b"the new"
+        raise OSError("no space left on device")
+    with pytest.raises(OSError):
+        checkpoint.write_atomically(str(file), half_then_fail())
+    assert file.read_bytes() == b"the old file", f"a failed write left {file.read_bytes()!r} in place of the old file"
+    calls, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append("fsync") or fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: calls.append("rename") or replace(a, b))
+    checkpoint.write_atomically(str(file), [b"the new ", b"file"])
+    assert file.read_bytes() == b"the new file" and calls == ["fsync", "rename"], (file.read_bytes(), calls)
 
 
 def die_during_save(path, spec, seed, who, when):
@@ -155,7 +182,7 @@ def test_a_rank_killed_during_save_leaves_the_previous_checkpoint_loadable_and_t
             run(3, die_during_save, second, SPEC, 0, who, when)
         assert os.path.isdir(second) and not os.path.exists(os.path.join(second, checkpoint.MANIFEST))
         assert recovery.complete(directory) == [(1, first)]  # the partial one does not exist
-        assert all(equal for equal, _, _ in run(2, load_worker, first, SPEC, 0))
+        assert all(difference is None for difference, _, _ in run(2, load_worker, first, SPEC, 0))
         for error in run(2, refusal_worker, second, SPEC, 0):
             assert "has no manifest.json: not a complete checkpoint" in error
     finally:
@@ -173,16 +200,16 @@ def refusal_worker(path, spec, seed):
 def corrupt(path, how):
     """Flip one bit of tensor t0's bytes in rank 1's file, or cut that file short."""
     file = os.path.join(path, "rank_00001.bin")
+    pieces = [p for p in checkpoint.read_manifest(path)["pieces"] if p["file"] == "rank_00001.bin"]
     if how == "flip":
-        piece = next(p for p in checkpoint.read_manifest(path)["pieces"] if p["file"] == "rank_00001.bin")
         with open(file, "r+b") as f:
-            f.seek(piece["start"] + piece["nbytes"] // 2)
+            f.seek(pieces[0]["start"] + pieces[0]["nbytes"] // 2)
             byte = f.read(1)[0]
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte ^ 4]))
-        return piece["name"]
+        return pieces[0]["name"]
     os.truncate(file, os.path.getsize(file) - 1)
-    return [p for p in checkpoint.read_manifest(path)["pieces"] if p["file"] == "rank_00001.bin"][-1]["name"]
+    return pieces[-1]["name"]
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate"])
@@ -453,6 +480,81 @@ def test_tensor_parallel_state_saved_at_t_loads_at_t_prime_bit_for_bit(world, wo
         shutil.rmtree(path)
 
 
+def layer_kinds(T: int, seed: int, dense: bool):
+    """One module of each layer kind reshard cuts, at T ranks or dense (the same parameter names):
+    column-parallel (dim 0), row-parallel (dim 1, its bias whole), the vocabulary-parallel embedding (dim 0),
+    and a transformer block: attention's stacked [W_q; W_k; W_v] (dim 0 in 3 parts), its MLP, layer norms."""
+    from mini_dist import parallel_transformer as pt
+    from mini_dist import tensor_parallel as tp
+    from mini_dist.vocab_parallel import VocabParallelEmbedding
+    torch.manual_seed(seed)
+    kw = dict(device=device(), dtype=torch.float64)
+    if dense:
+        return torch.nn.ModuleDict({"col": torch.nn.Linear(6, 12, **kw), "row": torch.nn.Linear(12, 6, **kw),
+                                    "emb": torch.nn.Embedding(12, 6, **kw), "block": pt.TransformerBlock(12, 12, **kw)})
+    return torch.nn.ModuleDict({"col": tp.ColumnParallelLinear(6, 12, **kw), "row": tp.RowParallelLinear(12, 6, **kw),
+                                "emb": VocabParallelEmbedding(12, 6, **kw),
+                                "block": pt.ParallelTransformerBlock(12, 12, **kw)})
+
+
+def adam_step_on_itself(model):
+    """One Adam step with each parameter as its own gradient: the state's every element depends on that
+    element alone, so a dense model and any TP cut of it step to the same bits."""
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = p.detach().clone()
+    adam.step()
+    return adam
+
+
+def save_layer_kinds(path, seed):
+    """At T = this world size: each layer's shards cut from one dense model by tensor_parallel's own
+    shard_from_dense (not by reshard), stepped once, saved through reshard's layouts."""
+    from mini_dist import reshard
+    from mini_dist import tensor_parallel as tp
+    parallel = tp.shard_from_dense(layer_kinds(dist.get_world_size(), 1, False), layer_kinds(1, seed, True))
+    adam = adam_step_on_itself(parallel)
+    checkpoint.save(reshard.module_state(reshard.module_layout(parallel), adam), path)
+
+
+def load_layer_kinds(path, seed):
+    """At T' = this world size, into a model built from another seed: every parameter and Adam state
+    tensor, put together by tensor_parallel's gather_to_dense, beside the dense model stepped the same way.
+    Returns the first (name, element) where they differ, or None."""
+    from mini_dist import reshard
+    from mini_dist import tensor_parallel as tp
+    dense = layer_kinds(1, seed, True)
+    dense_adam = adam_step_on_itself(dense)
+    parallel = layer_kinds(dist.get_world_size(), 2, False)
+    adam = torch.optim.Adam(parallel.parameters(), lr=0.1)
+    reshard.load_module_state(path, reshard.module_layout(parallel), adam)
+    for key in (None, "exp_avg", "exp_avg_sq"):
+        with torch.no_grad():
+            holder = layer_kinds(dist.get_world_size(), 3, False)
+            for mine, p in zip(holder.parameters(), parallel.parameters()):
+                mine.copy_(p if key is None else adam.state[p][key])
+            whole = tp.gather_to_dense(holder, layer_kinds(1, 4, True))
+        for (name, got), want in zip(whole.named_parameters(), dense.parameters()):
+            want = want if key is None else dense_adam.state[want][key]
+            if not torch.equal(got, want):
+                at = (got != want).nonzero()[0].tolist()
+                return f"{name} {key or 'value'} at {at}: {got[tuple(at)].item()} != {want[tuple(at)].item()}"
+    return None
+
+
+@pytest.mark.parametrize("world, world_after", [(4, 3), (3, 2), (2, 3)])
+def test_every_tensor_parallel_layer_kind_saved_at_t_loads_at_t_prime_to_the_dense_models_bits(world, world_after):
+    """T' does not divide T: a rank at T' takes parts of two saved ranks' slices, and attention's q, k and
+    v parts each from a different place. Checked against the dense model, never against reshard itself."""
+    path = tempfile.mkdtemp(prefix="test_checkpoint_")
+    try:
+        run(world, save_layer_kinds, path, 5)
+        for rank, difference in enumerate(run(world_after, load_layer_kinds, path, 5)):
+            assert difference is None, f"rank {rank} of {world_after}: {difference}"
+    finally:
+        shutil.rmtree(path)
+
+
 # ----------------------------------------------------------------------------- recovery
 
 def test_keep_last_n_deletes_the_complete_checkpoints_older_than_the_newest_n_and_no_newer_save(tmp_path):
@@ -470,6 +572,37 @@ RECOVERY = ["--steps", "6", "--every", "2", "--keep", "2", "--kill-at", "5", "--
             "--width", "4"]
 
 
+def crash_then_resume(directory, argv):
+    """recovery's in-process path: every rank raises Crash before step --kill-at, the RNG is scrambled as a
+    fresh process would have it, and a new run resumes from the newest complete checkpoint. Returns the
+    step resumed at and the first step (or parameter) where it differs from a run never stopped."""
+    args = recovery.parser().parse_args(argv)
+    try:
+        recovery.train(args, directory, crash="raise")
+    except recovery.Crash:
+        torch.manual_seed(4321 + dist.get_rank())
+    resumed, resumed_losses, start = recovery.train(args, None, recovery.complete(directory)[-1][1])
+    uninterrupted, losses, _ = recovery.train(args)
+    step = next((i + 1 for i, (a, b) in enumerate(zip(losses, resumed_losses)) if a != b), None)
+    same = len(resumed) == len(uninterrupted) and all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted))
+    return start, step, same
+
+
+@pytest.mark.parametrize("sharding", ["fsdp", "zero"])
+def test_a_run_resumed_in_process_draws_the_dropout_masks_and_batches_the_uninterrupted_run_drew(sharding):
+    """The model has dropout: unless each rank's RNG state and the sampler's position come back with the
+    checkpoint, the steps after the resume draw other masks or other batches, and the losses part."""
+    directory = tempfile.mkdtemp(prefix="test_checkpoint_")
+    try:
+        for rank, (start, step, same) in enumerate(run(2, crash_then_resume, directory,
+                                                       RECOVERY + ["--sharding", sharding])):
+            assert start == 4, f"rank {rank} resumed at step {start}, not at the newest checkpoint, step 4"
+            assert step is None, f"rank {rank}: the resumed run's loss parts from the uninterrupted one at step {step}"
+            assert same, f"rank {rank}: the resumed run ends with other parameters or Adam state"
+    finally:
+        shutil.rmtree(directory)
+
+
 def final_beside_uninterrupted(directory, argv):
     """The newest checkpoint the restarted run left (loaded by a run at its last step: nothing to train)
     beside a run that was never stopped, computed here."""
@@ -483,6 +616,9 @@ def final_beside_uninterrupted(directory, argv):
 def test_a_rank_killed_mid_training_and_restarted_by_torchrun_ends_with_the_uninterrupted_runs_parameters():
     """2 ranks under torchrun --max-restarts=1: rank 1 calls os._exit before step 5, torchrun starts the
     group again, which resumes from step 4's checkpoint and saves step 6's (--standalone: a free port)."""
+    if BACKEND == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs: torchrun starts 2 NCCL ranks, one GPU each (NCCL refuses two ranks on one "
+                    f"GPU); {torch.cuda.device_count()} present")
     directory = tempfile.mkdtemp(prefix="test_checkpoint_")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
