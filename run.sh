@@ -38,6 +38,7 @@ TOUR=(
   "loss_scaling 4"
   "kit/measure 1"
   "activation_checkpoint 1"
+  "selective_checkpoint 1"
   "tensor_parallel 4"
   "parallel_transformer 4"
   "vocab_parallel 4"

@@ -35,11 +35,10 @@ from torch import nn
 if not __package__:  # run as `python mini_dist/questions.py`: put the repo, not mini_dist/, on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import (activation_checkpoint, checkpoint, comm, compression, context_parallel, cost_model, ddp,
-                       expert_parallel, fsdp_ledger, mixed_precision, moe, parallel_transformer, pipeline,
+                       expert_parallel, fsdp_ledger, loss_scaling, mixed_precision, moe, parallel_transformer, pipeline,
                        pipeline_bubble, pipeline_schedules, planner, reducer, reshard, sharded_state,
                        tensor_parallel, topology, ulysses, zero, zero_ledger)
 from mini_dist.kit import debug, launch, models
-from mini_dist.loss_scaling import DynamicLossScaler
 from mini_dist.ring_allreduce import (LEDGER, naive_all_reduce, ring_all_gather, ring_all_reduce,
                                       ring_reduce_scatter)
 
@@ -369,19 +368,7 @@ def expert_parallel_traffic():
     k = sqrt(L*A/I): sqrt(L) when a layer keeps about as much as its input. A transformer layer keeps some 20
     times its input, so checkpointing every layer is close to the best there, which is what Megatron-LM does.""")
 def activation_checkpointing():
-    L, k, b, s, h, a = 4, 2, 1, 16, 16, 2
-    torch.manual_seed(0)
-    model = nn.Sequential(*[activation_checkpoint.TransformerLayer(h, a) for _ in range(L)])
-    x, dy = torch.randn(b, s, h), torch.randn(b, s, h)
-    A, I = 4 * (16 * s * b * h + 2 * a * s * s * b) + 2 * s * b * h + a * s * s * b + 16 * s * b, 4 * s * b * h
-    rows, ok = {}, True
-    for name, ours, _, kept, more in activation_checkpoint.strategies(L, k, s, h)[:3]:
-        rows[name] = got = activation_checkpoint.measure_step(ours, model, x, dy, 0)
-        rows[name]["more"] = got["flops"] / rows["none"]["flops"]
-        ok &= got["saved"] == kept(A, I) and math.isclose(rows[name]["more"], more, rel_tol=1e-12)
-    return (f"L = {L} layers, each keeping A = {A:,} B for backward from an input of I = {I:,} B: kept after "
-            f"forward / backward peak / compute: " + "; ".join(f"{n} {r['saved']:,} / {max(r['backward']):,} B / "
-                                                             f"{r['more']:.2f}x" for n, r in rows.items())), ok
+    return activation_checkpoint.memory_and_compute()
 
 
 @question(19, "fp16 training produces NaN: overflow or underflow, and how does loss scaling fix it? Why does bf16 "
@@ -393,23 +380,7 @@ def activation_checkpointing():
     appears (under ZeRO or FSDP every rank must agree on that skip). bf16 has fp32's 8 exponent bits, hence fp32's
     range: nothing to scale.""")
 def overflow_or_underflow():
-    t = lambda v, dtype: torch.tensor(v, dtype=dtype)  # noqa: E731
-    h, bf = torch.float16, torch.bfloat16
-    nan = t(300, h) * t(300, h) - t(300, h) * t(300, h)
-    zero_, rescued = t(1e-4, h) * t(1e-4, h), (t(1e-4, h) * t(1e-4 * 2 ** 16, h)).float() / 2 ** 16
-    wide = (t(1e-4, bf) * t(1e-4, bf)).float()
-    weight = nn.Parameter(torch.ones(2))
-    scaler, sgd = DynamicLossScaler(init_scale=2.0 ** 16), torch.optim.SGD([weight], lr=1.0)
-    weight.grad = torch.tensor([math.inf, 1.0])
-    scaler.step(sgd)
-    scaler.update()
-    skipped = torch.equal(weight.detach(), torch.ones(2))
-    return (f"fp16: 300*300 - 300*300 = {nan.item()} (90000 > 65504 rounds to inf, inf - inf = NaN); 1e-4*1e-4 = "
-            f"{zero_.item():g} (underflow: silent); scaled by 2^16 and unscaled in fp32: {rescued.item():.3g}; bf16 "
-            f"with no scaling: {wide.item():.3g}; an inf gradient: step skipped ({skipped}), S 65536 -> "
-            f"{scaler.get_scale():g}"), bool(nan.isnan()) and zero_.item() == 0 and \
-        abs(rescued.item() / 1e-8 - 1) < 0.01 and abs(wide.item() / 1e-8 - 1) < 0.01 and skipped and \
-        scaler.get_scale() == 2.0 ** 15
+    return loss_scaling.overflow_or_underflow()
 
 
 @question(20, "Why keep fp32 master weights when computing in fp16?", "./run.sh demo mixed_precision 1", answer="""
@@ -419,15 +390,7 @@ def overflow_or_underflow():
     that copy rounded to half after each step (Micikevicius et al. 2018; the master copy of FSDP's
     MixedPrecisionPolicy and apex's O2).""")
 def master_weights():
-    runs = {name: mixed_precision.train_regression(dtype, master, steps=200)[0] for name, dtype, master in
-            (("fp32", torch.float32, False), ("fp16", torch.float16, False),
-             ("fp16 + fp32 master", torch.float16, True))}
-    ratio = mixed_precision.update_to_spacing(torch.float16)
-    f32, alone, kept = runs["fp32"], runs["fp16"], runs["fp16 + fp32 master"]
-    return (f"least squares, weights in [1, 2), SGD lr 2e-3: |lr*g| / (spacing/2) = {ratio:.2f} at the start, so "
-            f"in fp16 the update rounds away; loss over 200 steps: " + ", ".join(
-                f"{n} {v[0]:.5f} -> {v[-1]:.5f}" for n, v in runs.items()) + " (fp16 alone: not one update landed)"), \
-        ratio < 1 and alone[-1] == alone[0] and abs(kept[-1] - f32[-1]) <= abs(kept[0] - f32[0])
+    return mixed_precision.master_weights_vs_half()
 
 
 @question(21, "How much memory does training a 7B model with Adam in mixed precision need, and what fits on one "

@@ -45,6 +45,7 @@ BAD = {
     "reducer": (2, ["--batch", "0"], "batch"),
     "reshard": (3, ["--width", "4"], "--width"),
     "ring_allreduce": (2, ["--numel", "-1"], "--numel"),
+    "selective_checkpoint": (1, ["--heads", "3"], "--heads"),
     "sequence_layout": (5, [], "--seq"),
     "sharded_state": (2, ["--steps", "0"], "steps"),
     "tensor_parallel": (3, ["--hidden", "8"], "--hidden"),
