@@ -12,7 +12,9 @@ S/C would do for plain attention; under the causal mask, where query i attends t
 A layout is a permutation of the 2C (or C) chunks: put them in the ranks' order (rank 0's chunks, then rank
 1's, ...), cut in C equal parts, and part r is rank r's. split_sequence does that (its backward all-gathers
 the parts' gradients back in place), gather_sequence is its inverse (an all-gather stacks the parts in the
-ranks' order; the inverse permutation puts them back in the sequence's).
+ranks' order; the inverse permutation puts them back in the sequence's). causal_tiles says which tiles of
+(query chunk, key chunk) the mask leaves a rank against another's block; check_inputs is the guard every
+context-parallel attention runs first, so that a bad input fails on every rank alike.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/sequence_layout.py [--seq 16]
 
