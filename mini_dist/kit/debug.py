@@ -24,6 +24,8 @@ the third is `wait_for`: a send or receive that fails says which peer it was tal
 Mirrors TORCH_DISTRIBUTED_DEBUG=DETAIL (torch.distributed's collective fingerprints) and gloo's
 monitored_barrier, which names the ranks that never arrived.
 """
+import contextlib
+import datetime
 import os
 import sys
 
@@ -49,12 +51,12 @@ def call_site() -> str:
     """Where the collective was asked for: the mini_dist layer or function that asked (the first frame
     outside comm.py, this check and torch), and the user's line that called it (the first outside mini_dist)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mini_dist/, the kit included
-    comm_py, ours = os.path.join(here, "comm.py"), (call_site.__code__, agree.__code__)
+    comm_py, ours = {os.path.join(here, f) for f in ("comm.py", "collectives.py")}, (call_site.__code__, agree.__code__)
     frame, sites = sys._getframe(1), []
     while frame and len(sites) < 2:
         name = os.path.abspath(frame.f_code.co_filename)
         inside = name.startswith(here + os.sep)
-        if (name != comm_py and frame.f_code not in ours and f"{os.sep}torch{os.sep}" not in name
+        if (name not in comm_py and frame.f_code not in ours and f"{os.sep}torch{os.sep}" not in name
                 and (not sites or not inside)):
             sites.append(f"{os.path.basename(name)}:{frame.f_lineno} in {frame.f_code.co_name}")
             if not inside:
@@ -89,7 +91,67 @@ def wait_for(work, peer: int, what: str) -> None:
                        f"rank {peer}'s log: it died, was killed, or stopped answering") from e
 
 
-# ----- demo: the silent sum, then the same mistake named -----
+# ----- demo: the silent sum, then the same mistake named; a rank that never arrives, named -----
+
+def checked_all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
+    """dist.all_reduce of a copy, agreed on first (under DEBUG): what every mini_dist collective does."""
+    agree("all_reduce", f"shape {tuple(x.shape)} dtype {x.dtype}", group)
+    out = x.clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+@contextlib.contextmanager
+def fd2_to(file):
+    """gloo logs its errors from C++ straight to file descriptor 2: point it at `file` for a while."""
+    saved = os.dup(2)
+    os.dup2(file.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def dead_or_disagreeing(bad_rank: int = 1) -> tuple[str, bool]:
+    """Rank `bad_rank` passes its tokens as [3, 2, 6], the others as [2, 3, 6] (the same number of elements):
+    unchecked the sum runs and is wrong; checked, every rank names it. Then the last rank never reaches a
+    barrier: a monitored barrier with a 1 s timeout names it instead of waiting forever. -> (figure, holds)."""
+    global DEBUG
+    n, r = dist.get_world_size(), dist.get_rank()
+    shape = (3, 2, 6) if r == bad_rank else (2, 3, 6)  # [batch, seq, hidden]: the same number of tokens
+    b, t = torch.meshgrid(torch.arange(shape[0]), torch.arange(shape[1]), indexing="ij")  # cpu: token ids
+    x = (10.0 * b + t).unsqueeze(-1).expand(shape).to(launch.device())  # token (b, t) holds 10b + t on every rank
+    before, named = DEBUG, ""
+    try:
+        DEBUG = False
+        silent = checked_all_reduce(x)
+        DEBUG = True
+        try:
+            checked_all_reduce(x)
+        except Disagreement as e:
+            named = str(e)
+    finally:
+        DEBUG = before
+    wrong = (silent != n * x).any(-1).nonzero()
+    at = tuple(wrong[0].tolist()) if len(wrong) else (0, 0)
+    group, missing = dist.new_group(list(range(n)), timeout=datetime.timedelta(seconds=1), backend="gloo"), ""
+    if r < n - 1:
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet), fd2_to(quiet):
+            try:
+                dist.monitored_barrier(group, timeout=datetime.timedelta(seconds=1), wait_all_ranks=True)
+            except RuntimeError as e:
+                missing = str(e).split("]: ")[-1]
+    dist.barrier()
+    found = torch.tensor([f"rank {bad_rank} calls" in named and "(3, 2, 6)" in named
+                          and (r > 0 or f"Ranks {n - 1} failed" in missing)], device=launch.device())
+    dist.all_reduce(found, op=dist.ReduceOp.MIN)
+    return (f"rank {bad_rank} passes its tokens as [3, 2, 6], the others as [2, 3, 6]: unchecked, the all-reduce "
+            f"runs and rank 0's token {at} reads {silent[at][0].item():g} instead of {n * x[at][0].item():g}; "
+            f"checked (MINI_DIST_DEBUG=1), every rank raises a Disagreement naming rank {bad_rank} and both shapes; "
+            f"rank {n - 1} never reaching a barrier with a 1 s timeout: rank 0 raises '{missing}'"), \
+        len(wrong) > 0 and bool(found.item())
+
 
 def parser():
     p = launch.demo_parser(__doc__)
@@ -98,33 +160,15 @@ def parser():
 
 
 def demo(args) -> int:
-    from mini_dist import comm  # this module as the library sees it (run as a script, it is __main__)
-    from mini_dist.kit import debug
     world = launch.env_world_size()
     launch.require(world >= 2 and 0 <= args.bad_rank < world,
                    f"--bad-rank {args.bad_rank} on {world} ranks: run on 2 or more ranks, with 0 <= --bad-rank < {world}")
-    env = launch.setup()
-    shape = (3, 2, 6) if env.rank == args.bad_rank else (2, 3, 6)  # [batch, seq, hidden], same number of tokens
-    b, t = torch.meshgrid(torch.arange(shape[0]), torch.arange(shape[1]), indexing="ij")
-    x = (10.0 * b + t).unsqueeze(-1).expand(shape).to(env.device)  # token (b, t) holds 10b + t on every rank
-    before, debug.DEBUG = debug.DEBUG, False
-    silent = comm.g(x)  # debug off: row k of the bad rank is another token than row k of the others
-    wrong = not torch.equal(silent, world * x)  # the right sum: each token `world` times itself
-    b, t = (silent != world * x).any(-1).nonzero()[0].tolist() if wrong else (0, 0)
-    launch.print0(f"debug off: rank {args.bad_rank} passed [3, 2, 6], the others [2, 3, 6]; the all-reduce ran, "
-                  f"no error, and rank 0's token ({b}, {t}) reads {silent[b, t, 0].item():g} instead of "
-                  f"{world * x[b, t, 0].item():g}")
-    debug.DEBUG, named = True, ""
-    try:
-        comm.g(x)
-    except debug.Disagreement as e:
-        named = str(e)
-    debug.DEBUG = before
-    launch.print0(f"debug on (MINI_DIST_DEBUG=1): every rank raised Disagreement:\n  {named}")
-    everyone = torch.tensor([f"rank {args.bad_rank} calls" in named], device=env.device)
-    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
-    return launch.conclude("debug", bool(everyone.item()), f"rank {args.bad_rank} named on every rank",
-                           wrong, "debug off: the mismatched sum completes, silently wrong")
+    launch.setup()
+    from mini_dist.kit import debug  # this module as the library sees it (run as a script, it is __main__)
+    figure, holds = debug.dead_or_disagreeing(args.bad_rank)
+    launch.print0(figure)
+    return launch.conclude("debug", holds, f"rank {args.bad_rank} named on every rank; the missing rank named",
+                           holds, "debug off: the mismatched sum completes, silently wrong")
 
 
 if __name__ == "__main__":
