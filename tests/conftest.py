@@ -36,11 +36,18 @@ def scale_own_settings(items, scale: float) -> None:
 def pytest_collection_modifyitems(config, items):
     if SCALE != 1:
         scale_own_settings(items, SCALE)
+    if not config.getoption("markexpr"):  # slow checks run only when asked for: ./run.sh test -m slow (CI does)
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "single_process: a property that starts no ranks (harness.run refuses it), "
                                        "cheap enough for CI to run it under the thorough profile too")
+    config.addinivalue_line("markers", "slow: a check that starts a pytest or torchrun of its own; kept out of the "
+                                       "default run, run by CI with -m slow")
     config.addinivalue_line("markers", "exercise: a property that grades a learner's exercise (./run.sh check MODULE "
                                        "runs these against the learner's copy of the module)")
     # torch's own imports (torch.distributed.pipelining, fsdp) call torch.jit.script, deprecated since 2.9;

@@ -1,0 +1,94 @@
+"""The exercise machinery: blanking is faithful, a learner's work is never overwritten, and grading can fail.
+
+Single process (cheap): every marked region is closed; blanking keeps every function and class (and their
+docstrings) and replaces each region by one NotImplementedError that says what to write; the copy compiles;
+`write` refuses to overwrite work in progress unless forced. Slow (each `check` starts ranks in a pytest of
+its own): a fresh exercise fails, the reference copied into the workspace passes, and each classic mistake
+planted in the reference fails `check`.
+"""
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mini_dist.kit import exercise
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def definitions(source: str) -> dict:
+    """name -> docstring of every function and class in the source."""
+    return {n.name: ast.get_docstring(n) for n in ast.walk(ast.parse(source))
+            if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+@pytest.mark.single_process
+def test_there_are_at_least_ten_exercises_and_each_blank_keeps_every_signature_and_docstring():
+    modules = exercise.exercises()
+    assert len(modules) >= 10, modules
+    for module in modules:
+        source = exercise.reference(module)
+        blank = exercise.blank(source, module)
+        assert definitions(blank) == definitions(source), module
+        assert blank.count("raise NotImplementedError(") - source.count("raise NotImplementedError(") == len(
+            exercise.regions(source)), module
+        assert "# exercise:" not in blank and "# end exercise" not in blank
+
+
+@pytest.mark.single_process
+def test_an_unclosed_region_is_refused_with_its_line():
+    with pytest.raises(ValueError, match="line 2 has no '# end exercise'"):
+        exercise.regions("def f():\n    # exercise: write it\n    return 1\n")
+
+
+@pytest.mark.single_process
+def test_write_refuses_to_overwrite_work_in_progress_unless_forced(tmp_path):
+    path = exercise.write("ring_allreduce", workspace=str(tmp_path))
+    assert exercise.write("ring_allreduce", workspace=str(tmp_path)) == path  # a fresh copy: nothing lost
+    with open(path, "a") as f:
+        f.write("# my work\n")
+    with pytest.raises(SystemExit, match="holds your work in progress"):
+        exercise.write("ring_allreduce", workspace=str(tmp_path))
+    exercise.write("ring_allreduce", force=True, workspace=str(tmp_path))
+    assert "# my work" not in open(path).read()
+
+
+def check(module, workspace, source):
+    os.makedirs(workspace, exist_ok=True)
+    with open(os.path.join(workspace, f"{module}.py"), "w") as f:
+        f.write(source)
+    code = (f"import sys; sys.path.insert(0, {ROOT!r}); from mini_dist.kit import exercise; "
+            f"raise SystemExit(exercise.check({module!r}, {str(workspace)!r}, demo=False))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "HYPOTHESIS_PROFILE"})
+    return result.returncode, result.stdout + result.stderr
+
+
+PLANTED = {  # module: (the reference's text, the classic mistake, a word the failing property's line says)
+    "ring_allreduce": ("send, mine = chunks[(r + 1 + s) % n], chunks[(r + 2 + s) % n]",
+                       "send, mine = chunks[(r + 1 + s) % n], chunks[(r + 1 + s) % n]", "FAIL"),
+    "reducer": ("torch.mul(p.grad, 1.0 / self.world, out=bucket.views[i])", "bucket.views[i].copy_(p.grad)", "FAIL"),
+    "fsdp": ('self._before_compute(unit, "backward", self._finished[::-1])', "pass", "FAIL"),
+    "pipeline_schedules": ("min(P - s - 1, M)", "min(P - s, M)", "FAIL"),
+}
+
+
+@pytest.mark.slow
+def test_a_fresh_exercise_fails_and_the_reference_passes(tmp_path):
+    source = exercise.reference("ring_allreduce")
+    code, out = check("ring_allreduce", tmp_path / "fresh", exercise.blank(source, "ring_allreduce"))
+    assert code == 1 and "FAIL" in out and "NotImplementedError" in out, out
+    code, out = check("ring_allreduce", tmp_path / "reference", source)
+    assert code == 0 and "PASS" in out and "FAIL" not in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", sorted(PLANTED))
+def test_a_planted_classic_mistake_fails_check(module, tmp_path):
+    right, wrong, word = PLANTED[module]
+    source = exercise.reference(module)
+    assert source.count(right) == 1, f"{module}: the planted line moved; update PLANTED"
+    code, out = check(module, tmp_path, source.replace(right, wrong))
+    assert code == 1 and word in out, out
