@@ -178,10 +178,14 @@ def linear_function_worker(seed, T, column, batch, seq, in_k, out_k):
     w = cut(dense.weight, dim).requires_grad_()
     b = (cut(dense.bias, 0) if column else dense.bias.detach().clone()).requires_grad_()
     xin = (x.detach().clone() if column else cut(x, -1)).requires_grad_()
-    out = (tp.column_parallel_linear if column else tp.row_parallel_linear)(xin, w, b, group)
+    fn = tp.column_parallel_linear if column else tp.row_parallel_linear
     mine = cut(want, -1) if column else want
-    if isinstance(out, torch.Tensor) and out.shape == mine.shape:
-        out.backward(cut(dy, -1) if column else dy)
+    try:
+        out = fn(xin, w, b, group)
+        if isinstance(out, torch.Tensor) and out.shape == mine.shape:
+            out.backward(cut(dy, -1) if column else dy)
+    except Exception as e:  # noqa: BLE001  the learner's error, in one line (every rank raises it alike)
+        return f"rank {r}: {fn.__name__} raised {type(e).__name__}: {e}"
     return first_difference([("output", out, mine),
                              ("grad x", xin.grad, x.grad if column else cut(x.grad, -1)),
                              ("grad weight", w.grad, cut(dense.weight.grad, dim)),
