@@ -36,7 +36,7 @@ if not __package__:  # run as `python mini_dist/questions.py`: put the repo, not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import (activation_checkpoint, checkpoint, comm, compression, context_parallel, cost_model, ddp,
                        expert_parallel, fsdp_ledger, loss_scaling, mixed_precision, moe, parallel_transformer, pipeline,
-                       pipeline_bubble, pipeline_schedules, planner, reducer, reshard, sharded_state,
+                       pipeline_bubble, planner, reducer, reshard, sharded_state,
                        tensor_parallel, topology, ulysses, zero, zero_ledger)
 from mini_dist.kit import debug, launch, models
 from mini_dist.ring_allreduce import (LEDGER, naive_all_reduce, ring_all_gather, ring_all_reduce,
@@ -266,7 +266,7 @@ def sequence_parallel():
 
 # ----------------------------------------------------------------------------- pipeline parallelism
 
-@question(13, "What flows between pipeline stages, and in which pattern?", "./run.sh demo pipeline_schedules 4",
+@question(13, "What flows between pipeline stages, and in which pattern?", "./run.sh demo pipeline 4",
           ranks=RANKS, answer="""
     Only neighbours talk: stage s sends each microbatch's output activation to stage s+1 and gets the gradient of
     that output back from it, point to point (isend/irecv), M of each per step. The schedule decides the order,
@@ -274,23 +274,7 @@ def sequence_parallel():
     schedules are best written as data and checked before they run (ShallowSpeed; torch.distributed.pipelining).
     A middle stage sends M activations forward and M gradients back, an end stage half of that.""")
 def pipeline_flow():
-    P, M, w, r = dist.get_world_size(), 8, 8, dist.get_rank()
-    torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(P) for m in (nn.Linear(w, w), nn.Tanh())]).to(launch.device(), f64)
-    plan = pipeline_schedules.one_f_one_b_schedule(P, M)
-    _, stats = pipeline.pipeline_step(pipeline_schedules.pipeline_chunks(model), plan, _data(2 * M, w),
-                                      _data(2 * M, w, 1), nn.MSELoss())
-    act = 2 * w * 8  # a microbatch's activation: 2 rows of w fp64 numbers
-    want = (r < P - 1) * (M * act + 8 * pipeline.HEADER_LEN) + (r > 0) * M * act
-    sent = [None] * P
-    dist.all_gather_object(sent, stats.bytes_sent)
-    neighbours = all(abs(pipeline_schedules.route(a, q, P, P)[0] - q) == 1 for q, acts in enumerate(plan.actions)
-                     for a in acts if a.op not in pipeline_schedules.COMPUTE)
-    short = {"recv_act": "recv x", "send_act": "send x", "recv_grad": "recv dx", "send_grad": "send dx"}
-    start = " ".join(short.get(a.op, "FB"[a.op == "backward"]) + str(a.mb) for a in plan.actions[1][:9])
-    return (f"1F1B, P = {P}, M = {M}: bytes sent per stage {sent} = M activations forward (not the last stage) + M "
-            f"gradients back (not the first) + one shape header; every message to a neighbour: {neighbours}; "
-            f"stage 1 begins: {start} ..."), _max(stats.bytes_sent != want) == 0 and neighbours
+    return pipeline.what_flows_between_stages()
 
 
 @question(14, "GPipe vs 1F1B: same bubble, different what?", "./run.sh demo pipeline_bubble 4 --schedules gpipe 1f1b",
@@ -301,16 +285,7 @@ def pipeline_flow():
     each backward as early as it can and stage r never keeps more than P-r. That is what lets you raise M, and
     raising M is what shrinks the bubble.""")
 def gpipe_vs_1f1b():
-    P, M, seen = 4, 8, {}
-    for name in ("gpipe", "1f1b"):
-        plan = pipeline_schedules.SCHEDULES[name](P, M)
-        seen[name] = (pipeline_bubble.bubble_fraction(pipeline_bubble.simulate(plan)),
-                      [pipeline_schedules.live_microbatches(a) for a in plan.actions])
-    formula = pipeline_bubble.bubble_formula("1f1b", P, M)
-    return (f"P = {P}, M = {M}, simulated: bubble GPipe {seen['gpipe'][0]:.3f}, 1F1B {seen['1f1b'][0]:.3f} = "
-            f"(P-1)/(M+P-1) = {formula:.3f}; microbatches' activations kept per stage: GPipe {seen['gpipe'][1]}, "
-            f"1F1B {seen['1f1b'][1]}"), all(abs(b - formula) < 1e-12 for b, _ in seen.values()) and \
-        seen["gpipe"][1] == [M] * P and seen["1f1b"][1] == [P - r for r in range(P)]
+    return pipeline_bubble.gpipe_vs_1f1b()
 
 
 @question(15, "How much do interleaving and zero-bubble schedules shrink the bubble?",
@@ -321,15 +296,7 @@ def gpipe_vs_1f1b():
     for, and fills the drain with the deferred W's: ZB-H1 reaches (P-1)/(3M+P-1) when F = B = W, with 1F1B's
     peak memory.""")
 def interleaved_and_zero_bubble():
-    P, M, v, seen = 4, 8, 2, {}
-    for name, chunks in (("1f1b", 1), ("interleaved", v), ("zero_bubble", 1)):
-        plan = pipeline_schedules.SCHEDULES[name](P, M, chunks)
-        ideal = pipeline_bubble.simulate(plan, *[1 / chunks] * 3)  # a chunk computes 1/v of a stage
-        seen[name] = (pipeline_bubble.bubble_fraction(ideal), pipeline_bubble.bubble_formula(name, P, M, v))
-    return (f"P = {P}, M = {M}, F = B = W, simulated (formula): 1F1B {seen['1f1b'][0]:.3f} ({seen['1f1b'][1]:.3f}), "
-            f"interleaved v = {v} {seen['interleaved'][0]:.3f} ({seen['interleaved'][1]:.3f}), zero bubble ZB-H1 "
-            f"{seen['zero_bubble'][0]:.3f} ({seen['zero_bubble'][1]:.3f})"), \
-        all(abs(a - b) < 1e-12 for a, b in seen.values())
+    return pipeline_bubble.interleaved_and_zero_bubble()
 
 
 # ----------------------------------------------------------------------------- sequences and experts

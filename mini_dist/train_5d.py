@@ -60,7 +60,8 @@ from mini_dist.parallel_gpt import (Config, dense_model, is_expert, kind, local_
                                     padded_vocab, parallel_model, routed_rows, train_dense)
 from mini_dist.parallel_gpt import configuration_error as model_error
 from mini_dist.pipeline import HEADER_LEN, pipeline_step
-from mini_dist.pipeline_schedules import SCHEDULES, balanced_split, pipeline_chunks
+from mini_dist.pipeline_schedules import SCHEDULES
+from mini_dist.pipeline_stages import balanced_split, pipeline_chunks
 from mini_dist.ring_allreduce import LEDGER, ring_all_reduce
 from mini_dist.zero import ZeroOptimizer
 from mini_dist.zero_ledger import memory_ledger

@@ -1,11 +1,10 @@
 """Pipeline parallelism on ranks: the executor runs every schedule like single-process full-batch training and
-like torch.distributed.pipelining on the same split, sends what the schedule says, and ranks that disagree,
-or vanish, are named. (The schedules themselves are tested as data in test_pipeline_schedules.py.)"""
+like torch.distributed.pipelining on the same split, sends what the schedule says, and a message it did not
+expect, or a neighbour that vanishes, is named. (The schedules are tested as data in test_pipeline_schedules.py,
+the agreement before a step in test_pipeline_agreement.py.)"""
 import contextlib
-import dataclasses
 import itertools
 import os
-import time
 
 import pytest
 import torch
@@ -15,8 +14,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from harness import RankFailure, device, rank_generator, run, subgroup
-from mini_dist.pipeline import HEADER_LEN, pipeline_step
-from mini_dist.pipeline_schedules import SCHEDULES, live_microbatches, pipeline_chunks, split_model, torch_step
+from mini_dist.pipeline import HEADER_LEN, pipeline_step, torch_step
+from mini_dist.pipeline_schedules import SCHEDULES, live_microbatches
+from mini_dist.pipeline_stages import pipeline_chunks, split_model
 
 
 # ----- the executor, on ranks -----
@@ -26,7 +26,7 @@ def build_model(seed, widths, frozen):
     torch.manual_seed(seed)
     layers = []
     for i, (a, b) in enumerate(zip(widths, widths[1:])):
-        layers += [nn.Linear(a, b)] + [nn.Tanh()] * (i < len(widths) - 2)
+        layers += [nn.Linear(a, b)] + [nn.Tanh()] * (i < len(widths) - 2)  # cpu: drawn here, moved below
     model = nn.Sequential(*layers).double().to(device())
     model[0].requires_grad_(not frozen)
     return model
@@ -102,8 +102,8 @@ def assert_equal_up_to_rounding(actual, expected, terms, roundings):
     """fp64: the same per-sample terms, computed and summed in another grouping and order (per microbatch,
     each with its own 1/M, and matmuls of another batch size). To first order each computation is off the
     exact value by at most roundings*eps*sum|terms|, so the two differ by at most twice that."""
-    bound = 2 * roundings * torch.finfo(torch.float64).eps * torch.as_tensor(terms)
-    difference = (torch.as_tensor(actual).cpu() - expected).abs()
+    bound = 2 * roundings * torch.finfo(torch.float64).eps * torch.as_tensor(terms)  # cpu: beside the reference
+    difference = (torch.as_tensor(actual).cpu() - expected).abs()  # cpu: the reference's side
     assert (difference <= bound).all(), f"difference {difference.max():.3g} > bound {bound.max():.3g}"
 
 
@@ -180,29 +180,8 @@ def test_fewer_microbatches_than_stages_and_a_single_stage_still_train_exactly(P
     check_step(4, list(range(P)), None, P * 10 + M, [3, 5, 4, 2], True, 2, M, name, 1, "mse")
 
 
-def step_on_a_batch(batch, n_microbatches, first_has_inputs=True, n_targets=None):
-    """Inputs only on the first stage, targets only on the last: the middle must still reject alike."""
-    P, s = dist.get_world_size(), dist.get_rank()
-    stage = pipeline_chunks(nn.Sequential(*[nn.Linear(2, 2) for _ in range(P)]).to(device()))[0]
-    x, y = torch.randn(batch, 2, device=device()), torch.randn(n_targets or batch, 2, device=device())
-    return pipeline_step(stage, SCHEDULES["gpipe"](P, n_microbatches), x if s == 0 and first_has_inputs else None,
-                         y if s == P - 1 else None, nn.MSELoss())[0]
-
-
 def stage_of_two_layers():
-    return pipeline_chunks(nn.Sequential(nn.Linear(2, 2), nn.Tanh()))
-
-
-@pytest.mark.parametrize("args, error", [((10, 4), "a batch of 10 inputs and 10 targets cannot be cut into 4 "
-                                                    "equal microbatches"),
-                                         ((12, 4, False), "the first stage needs `inputs`"),
-                                         ((12, 4, True, 8), "a batch of 12 inputs and 8 targets cannot be cut")])
-def test_every_rank_rejects_a_bad_batch_alike_and_none_hangs(args, error):
-    with pytest.raises(RankFailure) as info:
-        run(3, step_on_a_batch, *args)
-    for rank in range(3):
-        assert f"rank {rank} failed: ValueError: {error}" in str(info.value)
-    assert run(3, step_on_a_batch, 12, 4)[2] is not None  # the pool stayed in step
+    return pipeline_chunks(nn.Sequential(nn.Linear(2, 2), nn.Tanh()).to(device()))
 
 
 def test_every_rank_rejects_more_stages_than_layers():
@@ -212,74 +191,7 @@ def test_every_rank_rejects_more_stages_than_layers():
         assert f"rank {rank} failed: ValueError: cannot cut 2 layers into 3 pipeline" in str(info.value)
 
 
-# ----- ranks that disagree, or vanish, are named -----
-
-def step_with(schedule_of_rank, batch=4):
-    """One step where each rank builds its schedule with schedule_of_rank(rank) -> (name, M)."""
-    P, s = dist.get_world_size(), dist.get_rank()
-    stage = pipeline_chunks(nn.Sequential(*[nn.Linear(2, 2) for _ in range(P)]).to(device()))[0]
-    x, y = torch.randn(batch, 2, device=device()), torch.randn(batch, 2, device=device())
-    name, M = schedule_of_rank(s)
-    return pipeline_step(stage, SCHEDULES[name](P, M), x, y, nn.MSELoss())[0]
-
-
-def rank_0_builds_for_two_microbatches(rank):
-    return "1f1b", 2 if rank == 0 else 4
-
-
-def rank_2_builds_gpipe(rank):
-    return ("gpipe" if rank == 2 else "1f1b"), 4
-
-
-def everyone_builds_1f1b(rank):
-    return "1f1b", 4
-
-
-@pytest.mark.parametrize("schedule_of_rank, named", [
-    (rank_0_builds_for_two_microbatches, "rank 0: 1f1b with M=2, 4 stages x 1 chunk(s); ranks 1, 2, 3: 1f1b "
-                                         "with M=4, 4 stages x 1 chunk(s)"),
-    (rank_2_builds_gpipe, "ranks 0, 1, 3: 1f1b with M=4, 4 stages x 1 chunk(s); rank 2: gpipe with M=4")])
-def test_ranks_that_built_different_schedules_all_raise_at_once_naming_them(schedule_of_rank, named):
-    # Without the agreement, rank 0 of the first case waits for a message its neighbours never send, until
-    # the process group's timeout (30 s in the pools, 120 s by default) names nobody.
-    start = time.monotonic()
-    with pytest.raises(RankFailure) as info:
-        run(4, step_with, schedule_of_rank)
-    assert time.monotonic() - start < 10
-    for rank in range(4):
-        assert f"rank {rank} failed: ValueError: pipeline ranks disagree on the schedule: {named}" in str(info.value)
-    assert run(4, step_with, everyone_builds_1f1b)[3] is not None  # the pool stayed in step
-
-
-def step_where(rank_differs, how):
-    """One 1f1b step (M = 4) in which rank `rank_differs` holds two chunks, or a schedule with two actions
-    swapped, or every rank runs a schedule built for one stage fewer."""
-    P, s = dist.get_world_size(), dist.get_rank()
-    layers = nn.Sequential(*[nn.Linear(2, 2) for _ in range(2 * P)]).to(device())
-    chunks = pipeline_chunks(layers, None, 2 if how == "chunks" and s == rank_differs else 1)
-    plan = SCHEDULES["1f1b"](P - (how == "stages"), 4)
-    if how == "actions" and s == rank_differs:  # the same name, M, stages and chunks: only the checksum differs
-        mine = list(plan.actions[s])
-        mine[0], mine[1] = mine[1], mine[0]
-        plan = dataclasses.replace(plan, actions=plan.actions[:s] + (tuple(mine),) + plan.actions[s + 1:])
-    x, y = torch.randn(4, 2, device=device()), torch.randn(4, 2, device=device())
-    return pipeline_step(chunks, plan, x, y, nn.MSELoss())[0]
-
-
-@pytest.mark.parametrize("how, said", [
-    ("chunks", "the schedule runs 3 stages x 1 chunk(s) per rank, but the pipeline group has 3 ranks, holding "
-               "chunks: ranks 0, 2: 1; rank 1: 2"),
-    ("stages", "the schedule runs 2 stages x 1 chunk(s) per rank, but the pipeline group has 3 ranks"),
-    ("actions", "pipeline ranks hold different actions under one name, 1f1b: ranks 0, 2: checksum")])
-def test_ranks_with_other_chunks_actions_or_stages_all_raise_at_once_naming_them(how, said):
-    start = time.monotonic()
-    with pytest.raises(RankFailure) as info:
-        run(3, step_where, 1, how)
-    assert time.monotonic() - start < 10
-    for rank in range(3):
-        assert f"rank {rank} failed: ValueError: {said}" in str(info.value)
-    assert run(3, step_where, 1, "nothing")[2] is not None  # the pool stayed in step
-
+# ----- a message the receiver did not expect, or a neighbour that vanishes, is named -----
 
 class ShrinksAfterTheFirstCall(nn.Module):
     """A stage whose output loses a row from its second microbatch on: the next stage, which learned the
@@ -357,3 +269,26 @@ def weight_gradients_under_no_sync(name, M, v):
 def test_data_parallel_sync_is_skipped_for_all_but_each_chunks_last_weight_gradient(name, M, v):
     # so a DistributedDataParallel around each chunk reduces its gradients once per step, not M times
     assert run(2, weight_gradients_under_no_sync, name, M, v) == [[M - 1] * v] * 2
+
+
+# ----- NCCL runs a rank's messages in order: every exchange between two stages is one batch -----
+
+def under_nccls_rule(name, M, v):
+    """One step of schedule `name`, recorded on gloo and replayed under NCCL's in-order rule: the cycles found."""
+    from mini_dist import nccl_order
+    P, chunks = dist.get_world_size(), v if name in ("interleaved", "zero_bubble") else 1
+    widths = [3] * (P * chunks + 1)  # 2 * P * chunks - 1 layers: at least one per virtual stage
+    model, (x, y) = build_model(0, widths, False), draw_batch(0, widths, 2 * M, "mse")
+    return nccl_order.check(pipeline_step, pipeline_chunks(model, None, chunks), SCHEDULES[name](P, M, chunks), x, y,
+                            nn.MSELoss())
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("world, M, v", [(2, 3, 2), (3, 4, 1), (4, 8, 2)])
+def test_every_schedule_completes_under_nccls_in_order_rule(world, M, v, name, request):
+    if name in ("interleaved", "zero_bubble") and v > 1:
+        # v chunks per rank send both ways round the ring of ranks, and the sends a rank batches with its next
+        # receive wait for receives its neighbour has not reached: a cycle under NCCL's rule (gloo runs it).
+        # Strict: the day the executor pairs them, this says so.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="v > 1: sends batched both ways round the ring"))
+    assert run(world, under_nccls_rule, name, M, v) == [[]] * world

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mini_dist.pipeline_bubble import bubble_formula, bubble_fraction, simulate, timeline_picture
+from mini_dist.pipeline_bubble import (bubble_formula, bubble_fraction, fitting_columns, gpipe_vs_1f1b,
+                                       interleaved_and_zero_bubble, simulate, timeline_picture)
 from mini_dist.pipeline_schedules import SCHEDULES, Action, Schedule
 from test_pipeline_schedules import schedules
 
@@ -56,3 +57,28 @@ def test_a_timeline_prints_ranks_as_rows_and_time_as_columns():
                                                                          "rank 1 |.  F0 B0 F1 B1 W0 W1")
     assert timeline_picture(simulate(SCHEDULES["interleaved"](2, 2, 2))).split("\n")[0].startswith(
         "rank 0 |F0a F1a F0b F1b")
+
+
+@pytest.mark.single_process
+@given(schedules(), st.integers(40, 160))
+def test_a_timeline_fitted_to_a_width_keeps_every_rank_within_it(schedule, width):
+    timeline = simulate(schedule)
+    unit, letters = fitting_columns([timeline], 1, width)
+    rows = timeline_picture(timeline, unit, letters).split("\n")
+    assert len(rows) == len(schedule.actions) and max(map(len, rows)) <= width, (unit, letters, rows)
+    assert letters or unit == 1  # labels only at the unit asked for
+
+
+def test_a_fitted_timeline_shows_one_letter_per_column_where_labels_would_not_fit():
+    timeline = simulate(SCHEDULES["gpipe"](2, 2), 1, 1, 0)
+    assert fitting_columns([timeline], 1, 30) == (1, False)
+    assert fitting_columns([timeline], 1, 20) == (1, True)
+    assert timeline_picture(timeline, 1, letters=True) == "rank 0 |FF..BB\nrank 1 |.FFBB."
+
+
+@pytest.mark.single_process
+@given(st.integers(1, 6), st.integers(1, 12), st.integers(1, 3))
+def test_the_bubble_questions_hold_their_figures_for_any_sizes(P, M, v):
+    assert gpipe_vs_1f1b(P, M)[1]
+    if M % max(1, M // P) == 0:  # interleaved rounds of about P microbatches must divide M
+        assert interleaved_and_zero_bubble(P, M, v)[1]

@@ -1,19 +1,58 @@
-"""Pipeline schedules as data, checked without processes: for any P, v and M every computation runs once and
-in order, every send meets its receive, the simulator finds no deadlock, and the activations kept are what
-each schedule promises; the cut of a model into stages is the best one; then, on ranks, our orders are
-torch's."""
-import itertools
-
+"""Pipeline schedules as data, checked without processes: the textbook 1F1B runs P-s-1 warm-up forwards and
+keeps P-s microbatches; for any P, v and M every computation runs once and in order, every send meets its
+receive, the simulator finds no deadlock, and the activations kept are what each schedule promises; then, on
+ranks, every order is what a step of torch's schedule runs (the textbook 1F1B's, stage by stage, its
+Schedule1F1B's)."""
 import pytest
 import torch.distributed as dist
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 from harness import run, subgroup
+from mini_dist import pipeline_schedules  # looked up at call time: an exercise swaps in a learner's module
 from mini_dist.pipeline_bubble import simulate
-from mini_dist.pipeline_schedules import (COMPUTE, SCHEDULES, Action, Schedule, balanced_split, live_microbatches, route, split_model,
-                                          torch_order, torch_schedule, with_communication)
+from mini_dist.pipeline_schedules import (COMPUTE, SCHEDULES, Action, Schedule, live_microbatches, route, torch_ran,
+                                          with_communication)
+
+
+def written(order) -> str:
+    """F0 F1 B0 ... for a list of (op, microbatch, chunk)."""
+    return " ".join(f"{'FBBW'[COMPUTE.index(op)]}{m}" for op, m, _ in order)
+
+
+def first_difference(ours: list, theirs: list) -> str:
+    """Where two orders part: the index, and what each runs there."""
+    i = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    at = (lambda order: written(order[i:i + 1]) or "nothing")
+    return (f"computation {i} is {at(ours)} where torch's runs {at(theirs)} (ours: {written(ours)}; "
+            f"torch: {written(theirs)})")
+
+
+@pytest.mark.exercise
+@pytest.mark.single_process
+@example(4, 8)
+@given(st.integers(1, 8), st.integers(1, 16))
+def test_textbook_1f1b_warms_up_with_P_minus_s_minus_1_forwards_and_keeps_at_most_P_minus_s(P, M):
+    for s in range(P):
+        order = pipeline_schedules.one_f_one_b_stage(s, P, M)
+        assert sorted(order) == sorted([(op, m, 0) for m in range(M) for op in ("forward", "backward")]), \
+            f"stage {s} of P={P}, M={M} does not run each microbatch's forward and backward once: {written(order)}"
+        before = next((i for i, (op, _, _) in enumerate(order) if op == "backward"), len(order))
+        assert before == min(P - s, M), (
+            f"stage {s} of P={P}, M={M} runs {before} forwards before its first backward, 1F1B runs min(P-s, M) = "
+            f"{min(P - s, M)} (a warm-up of P-s-1, then the steady state's first forward): {written(order)}")
+        assert all(order[i][0] != order[i + 1][0] for i in range(before - 1, 2 * M - before)), \
+            f"stage {s} of P={P}, M={M}: after the warm-up, forwards and backwards must alternate: {written(order)}"
+
+
+@pytest.mark.single_process
+@given(st.integers(1, 8), st.integers(1, 16))
+def test_gpipe_and_1f1b_are_the_generic_loops_with_a_warmup_of_M_and_of_P_minus_s_minus_1(P, M):
+    # interleaved and zero bubble reuse warmup_steady_cooldown: on one chunk it is the textbook's loops
+    mbs, loops = [(m, 0) for m in range(M)], pipeline_schedules.warmup_steady_cooldown
+    for s in range(P):
+        assert pipeline_schedules.gpipe_stage(s, P, M) == loops(mbs, mbs, M)
+        assert pipeline_schedules.one_f_one_b_stage(s, P, M) == loops(mbs, mbs, min(P - s - 1, M))
 
 
 @st.composite
@@ -90,7 +129,7 @@ def test_activations_kept_are_M_for_gpipe_P_minus_s_for_1f1b_and_the_warmup_for_
         want = {"gpipe": M, "1f1b": min(P - r, M),
                 "interleaved": min((v - 1) * G + 2 * (P - 1 - r) + 1, v * M),  # warm-up forwards + 1
                 "zero_bubble": min((v - 1) * G + P, v * M)}[name]  # ... + the r W's each rank defers
-        assert live_microbatches(actions) == want
+        assert live_microbatches(actions) == want, f"{name} P={P} M={M} v={v}: rank {r} keeps the wrong count"
 
 
 def test_schedules_refuse_what_they_cannot_run_and_say_what_to_change():
@@ -105,30 +144,6 @@ def test_schedules_refuse_what_they_cannot_run_and_say_what_to_change():
     assert SCHEDULES["zero_bubble"](4, 9).n_microbatches == 9  # one chunk: no rounds (torch still refuses M=9)
 
 
-@pytest.mark.single_process
-@given(st.lists(st.integers(0, 50), min_size=1, max_size=8), st.data())
-def test_balanced_split_minimises_the_costliest_stage(costs, data):
-    P = data.draw(st.integers(1, len(costs)))
-    sizes = balanced_split(costs, P)
-    assert len(sizes) == P and min(sizes) >= 1 and sum(sizes) == len(costs)
-
-    def costliest(cuts):
-        bounds = [0, *cuts, len(costs)]
-        return max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
-    brute_force = min(costliest(cuts) for cuts in itertools.combinations(range(1, len(costs)), P - 1))
-    assert costliest(list(itertools.accumulate(sizes))[:-1]) == brute_force
-
-
-def test_split_model_rejects_impossible_cuts():
-    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
-    with pytest.raises(ValueError, match="cannot cut 2 layers into 3 pipeline stages"):
-        split_model(model, 3)
-    with pytest.raises(ValueError, match=r"sizes \[2, 1\] must be 2 positive layer counts summing to 2"):
-        split_model(model, 2, [2, 1])
-    assert [len(stage) for stage in split_model(model, 2)] == [1, 1]
-
-
-
 def test_a_computation_waiting_for_a_message_nobody_sends_is_refused_when_the_schedule_is_built():
     with pytest.raises(ValueError, match=r"rank 1 waits for \('act', 0, 1\), which rank 0 never sends"):
         with_communication("hand-made", [[], [("forward", 0, 0)]], 1)
@@ -137,21 +152,33 @@ def test_a_computation_waiting_for_a_message_nobody_sends_is_refused_when_the_sc
 # ----- on ranks: our orders are torch.distributed.pipelining's -----
 
 def orders_of_torch(P, M, v, name):
-    """Every rank's computations as torch's schedule lists them (each rank computes all of them)."""
+    """This rank's computations as one step of torch's schedule runs them (ranks P and above: None)."""
     group = subgroup(range(P)) if P < dist.get_world_size() else None
-    if dist.get_rank() >= P:
-        return None
-    schedule = torch_schedule([nn.Identity()] * v, name, M, None, group)
-    return [torch_order(schedule, r) for r in range(P)]
+    return torch_ran(name, M, v, group) if dist.get_rank() < P else None
+
+
+@pytest.mark.exercise
+@settings(max_examples=10)
+@example(4, 4)  # P = 4, M = 8
+@given(st.integers(2, 4), st.integers(0, 8))
+def test_textbook_1f1b_is_torch_schedule_1f1b_on_every_stage(P, extra):
+    M = P + extra  # torch's Schedule1F1B refuses M < P
+    # Importing torch.distributed.pipelining takes seconds per rank: only the 4-rank pool pays it
+    theirs = run(4, orders_of_torch, P, M, 1, "1f1b")
+    for s in range(P):
+        ours = pipeline_schedules.one_f_one_b_stage(s, P, M)
+        assert ours == theirs[s], f"1F1B stage {s} of P={P}, M={M}: {first_difference(ours, theirs[s])}"
 
 
 @settings(max_examples=12)
-@given(st.integers(2, 4), st.integers(1, 12), st.integers(1, 3), st.sampled_from(["interleaved", "zero_bubble"]))
-def test_interleaved_and_zero_bubble_orders_equal_torch_pipeline_order(P, M, v, name):
-    n = max(1, M // P)
+@given(st.integers(2, 4), st.integers(1, 12), st.integers(1, 3), st.sampled_from(sorted(SCHEDULES)))
+def test_every_schedules_order_is_what_a_step_of_torchs_schedule_runs(P, M, v, name):
+    n, v = max(1, M // P), v if name in ("interleaved", "zero_bubble") else 1
     if M % n:  # torch refuses these (for any v); ours refuses them with v > 1 only
         M = n * (M // n)
-    ours = SCHEDULES[name](P, M, v)
-    # Importing torch.distributed.pipelining takes seconds per rank: only the 4-rank pool pays it
-    theirs = run(4, orders_of_torch, P, M, v, name)[0]
-    assert [compute_actions(ours, r) for r in range(P)] == theirs
+    if name == "1f1b" and M < P:  # torch's Schedule1F1B refuses it
+        M = P
+    ours = pipeline_schedules.SCHEDULES[name](P, M, v)
+    theirs = run(4, orders_of_torch, P, M, v, name)
+    for r in range(P):
+        assert compute_actions(ours, r) == theirs[r], f"{name} P={P} M={M} v={v}, rank {r}"

@@ -7,9 +7,9 @@ schedules), M = 2P microbatches, our executor and torch's PipelineStage + schedu
 turns. Both run the same matmuls and send the same activations; what differs is the bookkeeping: we agree
 on the schedule once per step (an all-gather of four integers) and post each send with the next receive;
 torch posts its own batches of sends and receives. With 4 ranks on 2 cores the stages cannot compute side
-by side, so these are the executors' costs, not the bubble (mini_dist/pipeline.py measures the bubble on
-sleeping stages). The last row is the price of MINI_DIST_DEBUG=1 (a header checked with every message). 31 pairs
-a row: with 7, the zero-bubble row moved between 1.07x and 1.28x from one run to the next.
+by side, so these are the executors' costs, not the bubble (mini_dist/pipeline_bubble.py measures the
+bubble on sleeping stages). The last row is the price of MINI_DIST_DEBUG=1 (a header checked with every
+message). Many pairs a row: with few, a row moves from one run to the next more than the difference.
 """
 import torch
 import torch.distributed as dist
@@ -17,8 +17,9 @@ from torch import nn
 
 from mini_dist import bench
 from mini_dist.kit.launch import device
-from mini_dist.pipeline import pipeline_step
-from mini_dist.pipeline_schedules import SCHEDULES, pipeline_chunks, torch_step
+from mini_dist.pipeline import pipeline_step, torch_step
+from mini_dist.pipeline_schedules import SCHEDULES
+from mini_dist.pipeline_stages import pipeline_chunks
 
 
 def schedules(args, h=512, batch=128, repeats=31) -> list[bench.Result]:

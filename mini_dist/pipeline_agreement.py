@@ -1,0 +1,134 @@
+"""Pipeline ranks agree on the step before the first message: a rank that built another schedule is named.
+
+A pipeline trusts its neighbours to post matching sends and receives. If one rank built its schedule for
+M=2 microbatches and the others for M=4, or holds two model chunks where the others hold one, nothing
+fails at once: some rank waits for a message its neighbour never sends, until the process group's timeout
+(120 s by default) ends the job with an error that names nobody. So every rank first says what it is about
+to run, in one all-gather of four integers per rank (a checksum of the schedule, its chunk count, the
+batch size on the first stage, the target count on the last), and when they disagree, every rank gathers
+the whole description and raises the same error, naming the ranks that differ and how.
+
+    torchrun --standalone --nproc_per_node=4 mini_dist/pipeline_agreement.py [--mistake microbatches]
+
+Mirrors torch.distributed.pipelining's shape inference (stages exchange metadata before the first step)
+and TORCH_DISTRIBUTED_DEBUG=DETAIL's collective fingerprints; mini_dist/pipeline.py calls it every step.
+"""
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mini_dist.kit import launch
+from mini_dist.pipeline_schedules import SCHEDULES, Schedule
+from mini_dist.pipeline_stages import pipeline_chunks
+
+
+def agree_on_step(schedule: Schedule, chunks: list, inputs, targets, loss_fn, group=None) -> None:
+    """Every rank says what it is about to run: the schedule (name, M, stages, chunks, and a checksum of
+    every rank's actions), its chunks, and what only the ends know (the batch on the first stage, targets
+    and loss on the last). Every rank finds the same problem and raises the same error, naming ranks,
+    instead of waiting for a message that never comes. Four integers per rank in one all-gather (not
+    all_gather_object, which is two collectives and a pickle, every step); only when they show a problem
+    does every rank gather the whole description, to name it."""
+    P, s = dist.get_world_size(group), dist.get_rank(group)
+    plan = (schedule.name, schedule.n_microbatches, len(schedule.actions), schedule.n_chunks)
+    batch = len(inputs) if s == 0 and inputs is not None else -1
+    n_targets = len(targets) if s == P - 1 and targets is not None and loss_fn is not None else -1
+    mine = torch.tensor([zlib.crc32(repr((plan, schedule.actions)).encode()), len(chunks), batch, n_targets],
+                        device=launch.device())
+    everyone = torch.zeros(P * 4, dtype=torch.int64, device=launch.device())
+    dist.all_gather_single(everyone, mine, group=group)
+    everyone = everyone.view(P, 4)
+    (crc, _, batch, _), (*_, n_targets) = everyone[0].tolist(), everyone[-1].tolist()
+    if ((everyone[:, 0] == crc).all() and (everyone[:, 1] == plan[3]).all() and plan[2] == P and batch >= 0
+            and batch == n_targets and plan[1] > 0 and batch % plan[1] == 0):
+        return  # the same schedule, the chunks it runs, a batch that cuts into M: nothing to name
+    name_the_disagreement(plan, schedule, chunks, inputs, targets, loss_fn, group)
+
+
+def name_the_disagreement(plan, schedule: Schedule, chunks: list, inputs, targets, loss_fn, group) -> None:
+    """The whole description of every rank, gathered, to say which ranks differ and how."""
+    P, s = dist.get_world_size(group), dist.get_rank(group)
+    everyone = [None] * P
+    dist.all_gather_object(everyone, dict(
+        plan=plan, actions=zlib.crc32(repr(schedule.actions).encode()), chunks=len(chunks),
+        inputs=len(inputs) if s == 0 and inputs is not None else None,
+        targets=len(targets) if s == P - 1 and targets is not None and loss_fn is not None else None), group=group)
+
+    def who(key, say):  # "rank 0: ...; ranks 1, 2: ..."
+        values = {}
+        for r, e in enumerate(everyone):
+            values.setdefault(e[key], []).append(str(dist.get_global_rank(group, r) if group is not None else r))
+        return "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {say(v)}" for v, r in values.items())
+    name, M, stages, v = everyone[0]["plan"]
+    if len({e["plan"] for e in everyone}) > 1:
+        raise ValueError("pipeline ranks disagree on the schedule: " + who("plan", lambda p: "{} with M={}, {} "
+                         "stages x {} chunk(s)".format(*p)) + ": build it with the same arguments on every rank")
+    if len({e["actions"] for e in everyone}) > 1:
+        raise ValueError(f"pipeline ranks hold different actions under one name, {name}: "
+                         + who("actions", lambda crc: f"checksum {crc}"))
+    if stages != P or any(e["chunks"] != v for e in everyone):
+        raise ValueError(f"the schedule runs {stages} stages x {v} chunk(s) per rank, but the pipeline group has "
+                         f"{P} ranks, holding chunks: {who('chunks', str)}: cut the model with pipeline_chunks(model, "
+                         f"group, {v}) on a group of {stages}")
+    batch, n_targets = everyone[0]["inputs"], everyone[-1]["targets"]
+    if batch is None or n_targets is None:
+        raise ValueError("the first stage needs `inputs`, the last stage `targets` and `loss_fn`")
+    if batch != n_targets or batch % M:
+        raise ValueError(f"a batch of {batch} inputs and {n_targets} targets cannot be cut into {M} equal "
+                         f"microbatches: pass as many targets as inputs and choose M dividing {batch}")
+
+
+# ----- demo: one rank makes a mistake; every rank names it at once -----
+
+MISTAKES = ("microbatches", "schedule", "chunks", "batch")
+
+
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--mistake", choices=MISTAKES, default="microbatches",
+                   help="what rank --rank gets wrong: its M, its schedule's name, its chunk count, or the batch")
+    p.add_argument("--rank", type=int, default=1, help="the rank that makes the mistake")
+    return p
+
+
+def demo(args) -> int:
+    P, bad = launch.env_world_size(), args.rank
+    launch.require(P >= 2 and 0 <= bad < P, f"needs at least 2 ranks and --rank in 0..{P - 1}")
+    launch.setup()
+    me, M = dist.get_rank(), 4
+    wrong = me == bad
+    torch.manual_seed(0)  # the same model on every rank
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2 * P)]).to(launch.device())
+    chunks = pipeline_chunks(model, None, 2 if wrong and args.mistake == "chunks" else 1)
+    name = "gpipe" if wrong and args.mistake == "schedule" else "1f1b"
+    schedule = SCHEDULES[name](P, M // 2 if wrong and args.mistake == "microbatches" else M)
+    batch = 2 * M + (args.mistake == "batch")  # the first stage's batch (the last stage's targets, alike)
+    x, y = (torch.randn(batch, 4, device=launch.device()) for _ in "xy")
+    start, said = time.perf_counter(), None
+    try:
+        agree_on_step(schedule, chunks, x, y, nn.MSELoss())
+    except ValueError as e:
+        said = str(e)
+    seconds = time.perf_counter() - start
+    everyone = [None] * P
+    dist.all_gather_object(everyone, said)
+    batch_only = args.mistake == "batch"
+    what = f"a batch of {batch} does not cut into M={M}" if batch_only else f"rank {bad} gets the {args.mistake} wrong"
+    launch.print0(f"{what}; rank 0 raised after {seconds * 1e3:.1f} ms, before any message (waiting instead, the "
+                  f"group's timeout would take {launch.timeout().total_seconds():.0f} s and name nobody):\n"
+                  f"  ValueError: {said}")
+    named = said is not None and (batch_only or f"rank {bad}" in said)
+    return launch.conclude("pipeline_agreement", len(set(everyone)) == 1 and named,
+                           "every rank raised the same error" + f", naming rank {bad}" * (not batch_only),
+                           True, f"raised in {seconds * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    raise SystemExit(launch.main(parser(), demo))
