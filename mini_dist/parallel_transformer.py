@@ -184,9 +184,10 @@ def whole_activations(block: Block) -> int:
     return 8 * (4 * block.b * block.s * block.h + 4 * block.b * block.s)
 
 
-def all_reduces_per_layer(block: Block) -> tuple[str, bool]:
+def all_reduces_per_layer(block: Block | None = None) -> tuple[str, bool]:
     """Question 11: a transformer layer under TP all-reduces twice forward (g after attention, g after the MLP)
     and twice backward (f before each), one [b, s, h] activation each time."""
+    block = block or block_three_ways()
     (calls, nbytes), back, n = block.tp.fwd, block.tp.bwd, block.tp.fwd[0].get("all_reduce", 0)
     return (f"a block b={block.b} s={block.s} h={block.h} on T = {dist.get_world_size()} (= dense to "
             f"{block.tp.diff:.0e}): forward {n} all-reduces (g after attention, g after the MLP), backward "
@@ -194,9 +195,10 @@ def all_reduces_per_layer(block: Block) -> tuple[str, bool]:
         block.tp.diff < 1e-12 and block.tp[:2] == expected(block)[0][:2]
 
 
-def sequence_parallel_savings(block: Block) -> tuple[str, bool]:
+def sequence_parallel_savings(block: Block | None = None) -> tuple[str, bool]:
     """Question 12: SP keeps 1/T of every activation per rank, where TP keeps the layer norms' whole; its
     collectives are the all-reduces' halves, plus an all-gather per column layer again in backward."""
+    block = block or block_three_ways()
     one, tp, sp = block.one, block.tp, block.sp
     words = lambda c: " + ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(c.items())) or "none"  # noqa: E731
     return (f"a block b={block.b} s={block.s} h={block.h} on T = {dist.get_world_size()} (= dense to "
