@@ -57,7 +57,8 @@ def allgather_attention(q, k, v, causal=False, group=None, layout: str = ZIGZAG)
     return s.softmax(-1) @ v                                          # [b, H, S/C, d]
 
 
-# ----- ring attention: K/V blocks rotate, partial results merged by log-sum-exp -----
+# ----- ring attention: K/V blocks rotate, partial results merged by log-sum-exp. Over the naive version it buys
+# memory (two K/V blocks and one S/C x S/C score tile, never S/C x S) and overlap (a hop travels during a tile)
 
 def _ring_pass(send, group):
     """Start sending `send` to the next rank and receiving the previous rank's; (buffer, works) to wait on.
@@ -73,10 +74,9 @@ def _ring_pass(send, group):
 
 
 def _arrived(pending):
-    recv, works = pending
-    for work in works:
+    for work in pending[1]:
         work.wait()
-    return recv
+    return pending[0]
 
 
 def _scores(q, k, diagonal):
