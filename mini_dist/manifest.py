@@ -135,8 +135,8 @@ def check(manifest, path: str) -> dict:
         raise ValueError(f"the manifest is {short(manifest)}, not a JSON object")
     if manifest.get("version") != VERSION:
         raise ValueError(f"version is {short(manifest.get('version'))}: this mini_dist reads version {VERSION}")
-    if set(manifest) != KEYS or not (isinstance(manifest["files"], dict) and isinstance(manifest["tensors"], dict)
-                                     and isinstance(manifest["objects"], dict) and isinstance(manifest["pieces"], list)):
+    kinds = {"files": dict, "tensors": dict, "objects": dict, "pieces": list}
+    if set(manifest) != KEYS or not all(isinstance(manifest[k], kind) for k, kind in kinds.items()):
         raise ValueError(f"the fields are {short(sorted(manifest))}, not {sorted(KEYS)} of their types")
     if type(manifest["world_size"]) is not int or manifest["world_size"] != len(manifest["files"]):
         raise ValueError(f"world_size {short(manifest['world_size'])} is not the number of files, one per rank")
@@ -210,7 +210,7 @@ def read_manifest(path: str) -> dict:
 
 def write_example(path: str) -> None:
     """A checkpoint by hand, as checkpoint.save writes one at K = 1: a 2x3 fp32 tensor and a literal."""
-    raw = torch.arange(6, dtype=torch.float32).numpy().tobytes()
+    raw = torch.arange(6, dtype=torch.float32).numpy().tobytes()  # cpu: bytes for a file
     Path(path, "rank_00000.bin").write_bytes(raw)
     Path(path, MANIFEST).write_text(json.dumps({
         "version": VERSION, "world_size": 1, "tensors": {"w": [[2, 3], "float32"]}, "objects": {"step": "7"},

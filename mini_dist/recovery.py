@@ -57,7 +57,8 @@ class ResumableSampler:
         """This rank's next batch of sample indices."""
         if self.position == self.per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
-        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.size, generator=g)  # cpu: sample indices, the same on every device
         mine = order[:self.per_epoch * self.batch * self.world][self.rank::self.world]
         self.position += 1
         return mine[(self.position - 1) * self.batch:self.position * self.batch]
@@ -129,8 +130,8 @@ def train(args, save_to: str | None = None, resume_from: str | None = None, cras
     model = nn.Sequential(nn.Linear(args.width, 4 * args.width), nn.Dropout(0.25), nn.Tanh(),
                           nn.Linear(4 * args.width, 1)).to(launch.device(), torch.float64)
     torch.manual_seed(1000 + rank)
-    X = torch.randn(args.samples, args.width, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    X = X.to(launch.device())
+    X = torch.randn(args.samples, args.width, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(
+        launch.device())
     Y = torch.sin(3 * X).sum(1, keepdim=True)
     if args.sharding == "fsdp":
         model = FullyShardedDataParallel(model, group=group)

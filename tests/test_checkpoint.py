@@ -228,7 +228,7 @@ def test_a_corrupted_shard_file_is_refused_on_every_rank_naming_the_file_and_the
 
 
 def bad_save_worker(path, case):
-    rank, t = dist.get_rank(), torch.arange(12.0).view(3, 4)
+    rank, t = dist.get_rank(), torch.arange(12.0, device=device()).view(3, 4)
     state = {"w": Sharded((3, 4), t.dtype, (((rank, 0), t[rank:rank + 1]),))}  # 3 ranks, a row each: fine
     if case == "shape" and rank == 2:
         state = {"w": Sharded((3, 5), t.dtype, (((rank, 0), t[rank:rank + 1, :4]),))}
@@ -274,8 +274,9 @@ def test_a_save_whose_ranks_disagree_or_whose_boxes_do_not_tile_each_tensor_once
 
 
 def planner_refusal_worker(path):
-    wants = {"missing": {"nothing": torch.zeros(2)}, "dtype": {"w": torch.zeros(3, 4, dtype=torch.float64)},
-             "beyond": {"w": Sharded((4, 4), torch.float32, (((3, 0), torch.zeros(1, 4)),))},
+    wants = {"missing": {"nothing": torch.zeros(2, device=device())},
+             "dtype": {"w": torch.zeros(3, 4, dtype=torch.float64, device=device())},
+             "beyond": {"w": Sharded((4, 4), torch.float32, (((3, 0), torch.zeros(1, 4, device=device())),))},
              "object": {"epoch": None}}
     return {case: refusal_worker_state(path, want) for case, want in wants.items()}
 
@@ -367,9 +368,9 @@ ROWS, BEFORE, AFTER = 60, 2, 2  # 60 rows a step: every world size 1..5 takes an
 
 def batch(t: int):
     """This rank's share of step t's global batch: the same global batch at any world size."""
-    x = torch.randn(ROWS, 5, generator=torch.Generator().manual_seed(100 + t), dtype=torch.float64)
+    x = torch.randn(ROWS, 5, generator=torch.Generator().manual_seed(100 + t), dtype=torch.float64).to(device())
     n = ROWS // dist.get_world_size()
-    mine = x[dist.get_rank() * n:(dist.get_rank() + 1) * n].to(device())
+    mine = x[dist.get_rank() * n:(dist.get_rank() + 1) * n]
     return mine, torch.sin(3 * mine).sum(1, keepdim=True)
 
 

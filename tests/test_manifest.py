@@ -22,7 +22,7 @@ import torch.distributed as dist
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from harness import run
+from harness import device, run
 from mini_dist import checkpoint, manifest
 from mini_dist.checkpoint import CheckpointError, Sharded
 
@@ -58,10 +58,10 @@ def saved(tmp_path_factory):
 
 def wanted(zeros: bool) -> dict:
     """The state saved (zeros=False), or one shaped like it that a load fills (zeros=True)."""
-    w = torch.zeros(4, 3) if zeros else torch.arange(12.0).view(4, 3)
+    w = torch.zeros(4, 3) if zeros else torch.arange(12.0).view(4, 3)  # cpu: this process's group is gloo
     return {"w": Sharded((4, 3), w.dtype, (((0, 0), w[:1]), ((1, 0), w[1:]))),
-            "step": torch.zeros((), dtype=torch.int64) if zeros else torch.tensor(7),
-            "ids": torch.zeros(5, dtype=torch.int32) if zeros else torch.arange(5, dtype=torch.int32),
+            "step": torch.zeros((), dtype=torch.int64) if zeros else torch.tensor(7),  # cpu: as w
+            "ids": torch.zeros(5, dtype=torch.int32) if zeros else torch.arange(5, dtype=torch.int32),  # cpu: as w
             "run": None if zeros else {"epoch": 3, "losses": [0.5, 0.25]}}
 
 
@@ -73,7 +73,7 @@ def refused_cleanly(path: str) -> str:
         checkpoint.load(state, path)
     message = str(refusal.value)
     assert "\n" not in message and path in message, message
-    assert torch.equal(state["w"].boxes[1][1], torch.zeros(3, 3)) and state["run"] is None
+    assert torch.equal(state["w"].boxes[1][1], torch.zeros(3, 3)) and state["run"] is None  # cpu: as w
     assert all(torch.equal(state[n], before[n]) for n in ("step", "ids")), "the state changed before the refusal"
     return message
 
@@ -116,7 +116,8 @@ def copy_of(path: str) -> str:
 def test_the_saved_checkpoint_loads_and_its_manifest_has_a_version(saved):
     state = wanted(True)
     checkpoint.load(state, saved)
-    assert torch.equal(state["w"].boxes[1][1], torch.arange(3.0, 12.0).view(3, 3)) and state["run"]["epoch"] == 3
+    assert torch.equal(state["w"].boxes[1][1], torch.arange(3.0, 12.0).view(3, 3))  # cpu: as in wanted()
+    assert state["run"]["epoch"] == 3
     assert json.load(open(os.path.join(saved, checkpoint.MANIFEST)))["version"] == manifest.VERSION
 
 
@@ -203,14 +204,15 @@ def test_a_literal_too_deep_too_long_or_not_data_is_refused_without_a_raw_error(
 
 
 def save_then_edit(path):
-    state = {"w": Sharded((4, 3), torch.float32, (((2 * dist.get_rank(), 0), torch.ones(2, 3)),)), "run": 1}
+    state = {"w": Sharded((4, 3), torch.float32, (((2 * dist.get_rank(), 0), torch.ones(2, 3, device=device())),)),
+             "run": 1}
     checkpoint.save(state, path)
     if dist.get_rank() == 0:  # a piece of rank 1's file asks for -1 bytes
         m = json.load(open(os.path.join(path, checkpoint.MANIFEST)))
         next(p for p in m["pieces"] if p["file"] == "rank_00001.bin")["nbytes"] = -1
         json.dump(m, open(os.path.join(path, checkpoint.MANIFEST), "w"))
     dist.barrier()
-    mine = Sharded((4, 3), torch.float32, (((0, 0), torch.zeros(4, 3)),))  # every rank wants all of it
+    mine = Sharded((4, 3), torch.float32, (((0, 0), torch.zeros(4, 3, device=device())),))  # every rank: all of it
     try:
         checkpoint.load({"w": mine, "run": None}, path)
     except CheckpointError as e:
