@@ -21,127 +21,30 @@ the same pair at the level of a sum: g's output y = sum_i y_i, so dy reaches eve
 An all-to-all only moves blocks between ranks (a permutation), and the gradient of a permutation is its
 inverse: the same all-to-all with the roles of the two dims (or of the send and receive counts) swapped.
 
-Every collective goes through `COUNTER` (calls and payload bytes per kind: the whole tensor reduced or
-gathered, which is D in the ring formulas; for an all-to-all the bytes this rank sends to other ranks).
-A group of one communicates nothing and counts nothing.
+The collectives themselves, along any dim, are mini_dist/collectives.py's: each counted in `COUNTER`
+(calls and payload bytes per kind) and, with MINI_DIST_DEBUG=1, first agreed on across ranks (kit/debug.py):
+a rank passing another shape is named on every rank, not a hang or a silently wrong sum.
 
-With MINI_DIST_DEBUG=1 every collective here is first agreed on (mini_dist/debug.py): a rank passing
-another shape is named on every rank, instead of a hang or a silently wrong sum.
+    torchrun --standalone --nproc_per_node=4 mini_dist/comm.py [--batch 2 --seq 2 --hidden 3]
 
 Layout is batch-first, [batch, seq, hidden]: the sequence is dim 1 (Megatron keeps [seq, batch, hidden]).
 Mirrors Megatron-LM's core/tensor_parallel/mappings.py; nanotron's distributed differentiable primitives.
 """
-import math
-import os
 import sys
-from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-if not __package__:  # run as `torchrun mini_dist/comm.py`: Python put mini_dist/ on the path, not the repo
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mini_dist.collectives import (COUNTER, CollectiveCounter, all_gather, all_reduce,  # noqa: F401
+                                   all_to_all_single, check_divisible, equal_all_to_all, reduce_scatter,
+                                   rows_all_to_all, split)
 from mini_dist.kit import launch
-from mini_dist.kit.debug import Disagreement, agree  # noqa: F401  (every collective here is agreed on)
+from mini_dist.kit.debug import Disagreement, agree  # noqa: F401  (the layers import these from here)
 
 SEQ = 1  # the sequence dim of [batch, seq, hidden]
-
-
-class CollectiveCounter:
-    """Collectives this rank issued, per kind, and their payload bytes."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.calls, self.bytes = Counter(), Counter()
-
-    def record(self, kind: str, nbytes: int) -> None:
-        self.calls[kind] += 1
-        self.bytes[kind] += nbytes
-
-
-COUNTER = CollectiveCounter()
-
-
-def check_divisible(what: str, n: int, parts: int, fix: str) -> None:
-    if n % parts:
-        raise ValueError(f"{what}={n} is not divisible by the parallel size {parts}: {fix}")
-
-
-# ----- the raw collectives, along one dim; every one of them is agreed on (debug) and counted -----
-
-def all_reduce(x, group=None, op=dist.ReduceOp.SUM):
-    if dist.get_world_size(group) == 1:
-        return x
-    agree("all_reduce", (tuple(x.shape), x.dtype, op), group)
-    x = x.clone(memory_format=torch.contiguous_format)  # never reduce into a tensor autograd may hold
-    COUNTER.record("all_reduce", x.nbytes)
-    dist.all_reduce(x, op=op, group=group)
-    return x
-
-
-def all_gather(x, dim, group=None):
-    T = dist.get_world_size(group)
-    if T == 1:
-        return x
-    agree("all_gather", (tuple(x.shape), x.dtype, dim), group)
-    x = x.movedim(dim, 0).contiguous()                  # [n, ...]: the collective concatenates along dim 0
-    out = x.new_empty((T * x.shape[0], *x.shape[1:]))   # [T*n, ...]
-    COUNTER.record("all_gather", out.nbytes)
-    dist.all_gather_single(out, x, group=group)
-    return out.movedim(0, dim)
-
-
-def reduce_scatter(x, dim, group=None):
-    T = dist.get_world_size(group)
-    if T == 1:
-        return x
-    check_divisible(f"size along dim {dim}", x.shape[dim], T, "pad it (every rank keeps an equal slice)")
-    agree("reduce_scatter", (tuple(x.shape), x.dtype, dim), group)
-    x = x.movedim(dim, 0).contiguous()                  # [T*n, ...]
-    out = x.new_empty((x.shape[0] // T, *x.shape[1:]))  # [n, ...]: my slice of the sum
-    COUNTER.record("reduce_scatter", x.nbytes)
-    dist.reduce_scatter_single(out, x, group=group)
-    return out.movedim(0, dim)
-
-
-def split(x, dim, group=None):
-    """My slice of x along dim (no communication)."""
-    T = dist.get_world_size(group)
-    check_divisible(f"size along dim {dim}", x.shape[dim], T, "pad it (every rank keeps an equal slice)")
-    return x.chunk(T, dim)[dist.get_rank(group)].contiguous()
-
-
-def all_to_all_single(out, x, output_splits, input_splits, group=None):
-    """The default transport of all_to_all_rows: torch's own all-to-all over rows (dim 0)."""
-    dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
-    return out
-
-
-def _rows_all_to_all(x, send_counts, recv_counts, group, transport):
-    """Rows [sum(send_counts), ...] -> [sum(recv_counts), ...]: the first send_counts[0] rows to rank 0..."""
-    me = dist.get_rank(group)
-    agree("all_to_all_rows", (tuple(x.shape[1:]), x.dtype), group)
-    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
-    row = math.prod(x.shape[1:]) * x.element_size()  # bytes per row, even when x has none
-    COUNTER.record("all_to_all", (sum(send_counts) - send_counts[me]) * row)
-    return transport(out, x.contiguous(), list(recv_counts), list(send_counts), group)
-
-
-def _equal_all_to_all(x, scatter_dim, gather_dim, group):
-    """Cut x into T blocks along scatter_dim, send block j to rank j, concatenate what arrives along
-    gather_dim: [.., S/T (gather), .., H (scatter), ..] -> [.., S (gather), .., H/T (scatter), ..]."""
-    T = dist.get_world_size(group)
-    check_divisible(f"size along dim {scatter_dim}", x.shape[scatter_dim], T,
-                    "each rank must receive an equal block")
-    agree("all_to_all", (tuple(x.shape), x.dtype, scatter_dim, gather_dim), group)
-    blocks = x.movedim(scatter_dim, 0).unflatten(0, (T, -1)).contiguous()  # [T, H/T, ...]: block j -> rank j
-    out = torch.empty_like(blocks)                                          # [T, H/T, ...]: block j <- rank j
-    COUNTER.record("all_to_all", blocks.nbytes // T * (T - 1))
-    dist.all_to_all_single(out, blocks, group=group)
-    out = out.flatten(0, 1).movedim(0, scatter_dim)         # the received blocks, still stacked by source
-    return torch.cat(out.chunk(T, scatter_dim), gather_dim)  # source j's block is slice j along gather_dim
 
 
 # ----- the differentiable operators: forward collective, conjugate backward -----
@@ -151,12 +54,16 @@ class CopyToParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
+        # exercise: f's forward: remember the group for backward; every rank needs all of x as it is
         ctx.group = group
         return x
+        # end exercise
 
     @staticmethod
     def backward(ctx, grad):
+        # exercise: f's backward: each rank holds a partial dx: sum them (comm.all_reduce), no grad for group
         return all_reduce(grad, ctx.group), None
+        # end exercise
 
 
 class ReduceFromParallelRegion(torch.autograd.Function):
@@ -164,11 +71,15 @@ class ReduceFromParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
+        # exercise: g's forward: sum the ranks' partial results (comm.all_reduce)
         return all_reduce(x, group)
+        # end exercise
 
     @staticmethod
     def backward(ctx, grad):
+        # exercise: g's backward: dy reaches every partial sum unchanged; no grad for group
         return grad, None
+        # end exercise
 
 
 class GatherFromParallelRegion(torch.autograd.Function):
@@ -229,15 +140,11 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scatter_dim, gather_dim, group):
         ctx.dims, ctx.group = (scatter_dim, gather_dim), group
-        if dist.get_world_size(group) == 1:
-            return x
-        return _equal_all_to_all(x, scatter_dim, gather_dim, group)
+        return equal_all_to_all(x, scatter_dim, gather_dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        if dist.get_world_size(ctx.group) == 1:
-            return grad, None, None, None
-        return _equal_all_to_all(grad, ctx.dims[1], ctx.dims[0], ctx.group), None, None, None
+        return equal_all_to_all(grad, ctx.dims[1], ctx.dims[0], ctx.group), None, None, None
 
 
 class AllToAllRows(torch.autograd.Function):
@@ -246,12 +153,12 @@ class AllToAllRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send_counts, recv_counts, group, transport):
         ctx.counts, ctx.group, ctx.transport = (send_counts, recv_counts), group, transport
-        return _rows_all_to_all(x, send_counts, recv_counts, group, transport)
+        return rows_all_to_all(x, send_counts, recv_counts, group, transport)
 
     @staticmethod
     def backward(ctx, grad):
         send_counts, recv_counts = ctx.counts
-        return _rows_all_to_all(grad, recv_counts, send_counts, ctx.group, ctx.transport), None, None, None, None
+        return rows_all_to_all(grad, recv_counts, send_counts, ctx.group, ctx.transport), None, None, None, None
 
 
 def f(x, group=None):
@@ -287,11 +194,11 @@ def all_to_all(x, scatter_dim, gather_dim, group=None):
     return AllToAll.apply(x, scatter_dim, gather_dim, group)
 
 
-def all_to_all_rows(x, send_counts, recv_counts, group=None, transport=all_to_all_single):
+def all_to_all_rows(x, send_counts, recv_counts, group=None, transport=None):
     """Rows of x to their ranks (send_counts[j] rows to rank j), with the reverse trip as gradient.
     `transport(out, x, output_splits, input_splits, group)` moves the rows: dist.all_to_all_single by
-    default, or a point-to-point version (mini_dist.expert_parallel)."""
-    return AllToAllRows.apply(x, tuple(send_counts), tuple(recv_counts), group, transport)
+    default (comm.all_to_all_single), or a point-to-point version (mini_dist.expert_parallel)."""
+    return AllToAllRows.apply(x, tuple(send_counts), tuple(recv_counts), group, transport or all_to_all_single)
 
 
 # ----- demo: every operator against the one-process computation it stands for -----
@@ -323,8 +230,8 @@ def check_operator(name: str, shape, seed: int = 0, group=None) -> tuple[float, 
     input gradient, payload bytes counted). Integer-valued fp64 data: every sum is exact in any order."""
     op, given, made, meaning = CASES[name]
     T, r = dist.get_world_size(group), dist.get_rank(group)
-    draw = lambda k, size: torch.randint(-8, 8, size, generator=torch.Generator().manual_seed(seed * 100 + k),  # noqa: E731
-                                         dtype=torch.float64, device=launch.device())
+    draw = lambda k, size: torch.randint(-8, 8, size, generator=torch.Generator().manual_seed(  # noqa: E731
+        seed * 100 + k), dtype=torch.float64).to(launch.device())  # drawn on the CPU: the same numbers on any device
     x = draw(0 if given == "replicated" else 1 + r, shape).requires_grad_()
     COUNTER.reset()
     y = op(x, group)

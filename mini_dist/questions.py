@@ -39,8 +39,8 @@ from mini_dist import (activation_checkpoint, checkpoint, comm, compression, con
                        pipeline_bubble, planner, reducer, reshard, sharded_state,
                        tensor_parallel, topology, ulysses, zero, zero_ledger)
 from mini_dist.kit import debug, launch, models
-from mini_dist.ring_allreduce import (LEDGER, naive_all_reduce, ring_all_gather, ring_all_reduce,
-                                      ring_reduce_scatter)
+from mini_dist import ring_allreduce
+from mini_dist.ring_allreduce import LEDGER, ring_all_reduce
 
 RANKS = 4                # the group every multi-rank question runs on
 RANK_TIMEOUT_S = "30"    # each collective of a rank gives up after this
@@ -121,25 +121,14 @@ def accumulation():
 
 
 @question(4, "What does each rank hold before and after all-reduce, reduce-scatter and all-gather?",
-          "./run.sh demo ring_allreduce 4 --verbose", ranks=RANKS, answer="""
+          "./run.sh demo ring_allreduce 4", ranks=RANKS, answer="""
     Before, rank r holds its own tensor x_r. After an all-reduce every rank holds the whole sum
     x_0 + ... + x_(N-1); after a reduce-scatter rank r holds only block r of that sum (1/N of it); an all-gather
     takes one block from each rank and gives every rank all of them, concatenated in rank order. These three, with
     all-to-all and point-to-point send and receive, are every pattern of communication in this repository
     (torch.distributed.all_reduce, reduce_scatter_tensor, all_gather_into_tensor).""")
 def what_each_rank_holds():
-    n, r, dev = dist.get_world_size(), dist.get_rank(), launch.device()
-    x = torch.arange(1.0, n + 1, device=dev) * (r + 1)  # rank r: (r+1) * [1, 2, .., N]
-    native = x.clone()
-    dist.all_reduce(native)
-    summed = ring_all_reduce(x.clone())
-    block = ring_reduce_scatter(torch.empty(1, device=dev), x.clone())
-    gathered = ring_all_gather(torch.empty(n, device=dev), block)
-    show = lambda t: "[" + ", ".join(f"{v:g}" for v in t.tolist()) + "]"  # noqa: E731
-    ok = torch.equal(summed, native) and torch.equal(block, native[r:r + 1]) and torch.equal(gathered, native)
-    return (f"rank r holds (r+1) x {show(x / (r + 1))}; all-reduce: {show(summed)} on every rank; reduce-scatter: "
-            f"rank r keeps block r of that sum ({', '.join(show(t) for t in gathered.chunk(n))}); all-gather of "
-            f"those blocks: {show(gathered)} on every rank; all = torch.distributed's"), ok
+    return ring_allreduce.what_each_rank_holds()
 
 
 def _bytes_sent(fn, size: int, numel: int) -> tuple[float, float]:
@@ -159,13 +148,7 @@ def _bytes_sent(fn, size: int, numel: int) -> tuple[float, float]:
     the time is bandwidth-bound; what grows with N is the number of steps, 2(N-1) latencies. Sending everything to
     a root instead makes the root move (N-1)*D.""")
 def ring_cost():
-    D = 4 * (1 << 16)
-    ring = {size: _bytes_sent(ring_all_reduce, size, D // 4)[0] / D for size in (2, RANKS)}
-    root = _bytes_sent(naive_all_reduce, RANKS, D // 4)[1] / D
-    return (f"D = {D // 1024} KiB: the ring sends " + ", ".join(f"{v:.2f}D per rank on {s} ranks" for s, v in
-                                                                ring.items())
-            + f" (2(N-1)/N D, never above 2D); a root-based all-reduce makes rank 0 send {root:.2f}D on {RANKS} "
-            f"ranks ((N-1)D)"), all(v == 2 * (s - 1) / s for s, v in ring.items()) and root == RANKS - 1
+    return ring_allreduce.ring_bytes_per_rank()
 
 
 @question(6, "Is all-reduce the same as reduce-scatter followed by all-gather (bytes and result)?",
@@ -175,18 +158,7 @@ def ring_cost():
     is why ZeRO and FSDP can split DDP's all-reduce into its halves and put other work between them (Rajbhandari et
     al. 2020), and why sequence parallelism costs the same bytes as tensor parallelism (Korthikanti et al. 2022).""")
 def all_reduce_is_two_halves():
-    n, dev, numel = dist.get_world_size(), launch.device(), 1 << 14
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank())).to(dev)
-    LEDGER.reset()
-    whole = ring_all_reduce(x.clone())
-    one = _sum(LEDGER.sent)
-    LEDGER.reset()
-    block = ring_reduce_scatter(torch.empty(numel // n, device=dev), x)
-    halves = ring_all_gather(torch.empty(numel, device=dev), block)
-    two, D = _sum(LEDGER.sent), x.nbytes
-    same = _max(not torch.equal(whole, halves)) == 0
-    return (f"D = {D // 1024} KiB fp32 on {n} ranks: all-reduce sent {one / n / D:.2f}D per rank, reduce-scatter + "
-            f"all-gather {two / n / D:.2f}D; results bit-identical: {same}"), same and one == two == 2 * (n - 1) * D
+    return ring_allreduce.all_reduce_is_reduce_scatter_plus_all_gather()
 
 
 # ----------------------------------------------------------------------------- sharded data parallelism
@@ -389,21 +361,7 @@ def seven_billion():
     trick) sends the same bytes in all but only 1/G of them between nodes. The lesson for placement: keep the
     chatty traffic on the fast links, and let only the smallest share cross nodes.""")
 def hierarchical():
-    N, G, numel = dist.get_world_size(), 2, 1 << 14
-    D, seen = 4 * numel, {}
-    for name in ("ring", "hierarchical"):
-        with topology.Links(G) as links:
-            topology.ALGORITHMS[name](torch.ones(numel, device=launch.device()), G, None)
-        seen[name] = (_max(links.sent["inter"]) / D, _max(sum(links.sent.values())) / D)
-    links = {"intra": (5e-6, 1 / 450e9), "inter": (10e-6, 1 / 50e9)}  # cost_model.Cluster's NVLink, InfiniBand
-    ms = {a: 1e3 * topology.predict(topology.schedule(a, 16, 8), 1e9, 8, links) for a in seen}
-    n = N // G
-    return (f"{n} nodes x {G} ranks, D = {D // 1024} KiB: every rank sends {seen['ring'][1]:.2f}D either way, but "
-            f"the busiest sends {seen['ring'][0]:.2f}D over the slow link in the ring, {seen['hierarchical'][0]:.2f}D "
-            f"hierarchically (1/G); alpha-beta model, 1 GB over 2 nodes of 8 GPUs (450 GB/s inside, 50 between): "
-            f"ring {ms['ring']:.1f} ms, hierarchical {ms['hierarchical']:.1f} ms"), \
-        seen["ring"][0] == 2 * (N - 1) / N and seen["hierarchical"][0] == 2 * (n - 1) / n / G and \
-        seen["ring"][1] == seen["hierarchical"][1] and ms["hierarchical"] < ms["ring"]
+    return topology.slow_link_bytes()
 
 
 @question(23, "What does gradient compression save, and why does it need error feedback?",

@@ -12,25 +12,17 @@ naive way (everyone sends to a root, the root reduces and sends the result back)
 and receive (N-1) * D bytes, growing with N (Patarasuk & Yuan 2009; Baidu's ring all-reduce, 2017).
 
 Which rank starts which chunk is not arbitrary here: we send to the LEFT neighbour (r -> r-1) and give
-rank c chunk c, the layout gloo uses, so chunk c is summed in the order x[c-1] + x[c-2] + ... + x[c].
-Floating-point addition is not associative; with the same order our result equals gloo's bit for bit.
+rank c chunk c, the layout gloo uses (chunk_bounds), so chunk c is summed in the order x[c-1] + x[c-2] +
+... + x[c]. Floating-point addition is not associative; with the same order our result equals gloo's bit
+for bit. The textbook ring comes first; ring_all_reduce runs the same steps as one pipelined stream on
+gloo (mini_dist/ring_pipelined.py says what that buys) and the textbook's batched steps under NCCL.
 
-Speed comes from keeping the wire busy, as gloo does. The all-reduce is one stream of 2(N-1) steps in
-which the chunk received at step j is the one sent at step j+1: a chunk travels in segments of at most
-SEGMENT_BYTES, each moving on the moment it has arrived (and been reduced), and every receive is posted
-before its data can arrive, so the transport writes straight into place. At N = 2 both neighbours are one
-rank and, on gloo, the two phases fuse into one exchange of the whole tensor (_exchange): the same D bytes,
-one step instead of two (measured on 2 vCPUs: 0.7-1.1x gloo's time, where the two phases took 1.0-1.4x).
-Whether the ranks agree on shape, dtype and op is checked under MINI_DIST_DEBUG=1 only (mini_dist.debug.agree,
-as TORCH_DISTRIBUTED_DEBUG=DETAIL does): the check is one more latency-bound collective per call.
-
-    torchrun --standalone --nproc_per_node=4 mini_dist/ring_allreduce.py [--numel 1048579] [--verbose]
+    torchrun --standalone --nproc_per_node=4 mini_dist/ring_allreduce.py [--numel 1048579]
 
 Timings against gloo: `./run.sh bench 4 collectives`. Mirrors torch.distributed.all_reduce /
 reduce_scatter_single / all_gather_single.
 """
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,243 +30,229 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import debug, launch
+from mini_dist import ring_pipelined as pipelined
+from mini_dist.kit import launch
+from mini_dist.ring_pipelined import (AVG, LEDGER, MAX, MIN, PRODUCT, SUM, check_collective,  # noqa: F401
+                                      reduce_into, send_recv)
 
-SUM, AVG, MAX, MIN, PRODUCT = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX,
-                               dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
-OPS = {SUM: "SUM", AVG: "AVG", MAX: "MAX", MIN: "MIN", PRODUCT: "PRODUCT"}
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-          torch.int32, torch.int64, torch.bool]
-SEGMENT_BYTES = 1 << 20       # a chunk travels in pieces of at most this size
-GLOO_SEGMENT_BYTES = 1 << 20  # gloo's ring: segments of at most 1 MiB (measured: see chunk_bounds)
-IN_FLIGHT = 2                 # receives posted ahead in the reduce-scatter (gloo keeps two)
-EXCHANGE_AHEAD = 4            # and in the N = 2 exchange (at 4 MiB, 2 ahead: 1.16-1.30x gloo; 4: 0.89-1.06x)
-
-
-@dataclass
-class ByteLedger:
-    """Bytes this rank put on the wire and took off it through the functions of this module."""
-    sent: int = 0
-    received: int = 0
-
-    def reset(self) -> None:
-        self.sent = self.received = 0
-
-
-LEDGER = ByteLedger()
-
-
-def reduce_into(acc: torch.Tensor, incoming: torch.Tensor, op) -> None:
-    if op in (SUM, AVG):
-        acc.add_(incoming)
-    elif op == PRODUCT:
-        acc.mul_(incoming)
-    elif op == MAX:
-        torch.maximum(acc, incoming, out=acc)
-    else:
-        torch.minimum(acc, incoming, out=acc)
-
-
-def _check(tensor: torch.Tensor, op, group, name: str) -> None:
-    """Ranks that disagree are named on every rank (debug mode); bad input shared by all fails on all."""
-    if debug.DEBUG:  # (formatting the signature costs microseconds: not on the fast path)
-        debug.agree(name, f"shape {tuple(tensor.shape)} dtype {tensor.dtype} op {OPS.get(op, op)} on "
-                         f"{tensor.device.type}", group)
-    if op not in OPS:
-        raise ValueError(f"{name}: unsupported op {op}; use SUM, AVG, MAX, MIN or PRODUCT")
-    if tensor.dtype not in DTYPES:
-        raise ValueError(f"{name}: unsupported dtype {tensor.dtype}; use one of {DTYPES}")
-    if tensor.device.type != launch.device().type:
-        raise ValueError(f"{name}: a tensor on {tensor.device.type} cannot travel over "
-                         f"{dist.get_backend(group)}; create it on mini_dist.launch.device()")
-    if op == AVG and not tensor.is_floating_point():
-        raise ValueError(f"{name}: AVG of {tensor.dtype} tensors would round; use SUM and divide")
-
-
-def _post(p2p, piece: torch.Tensor, peer: int, group):
-    """isend or irecv of one piece to/from group rank `peer`, counted in the ledger (nothing if empty)."""
-    if not piece.numel():
-        return None
-    if p2p is dist.isend:
-        LEDGER.sent += piece.nbytes
-        return p2p(piece, group=group, group_dst=peer), "sending to", peer
-    LEDGER.received += piece.nbytes
-    return p2p(piece, group=group, group_src=peer), "receiving from", peer
-
-
-def _wait(posted, group, name: str) -> None:
-    """Wait for a posted send or receive; if it fails, say which rank we were talking to."""
-    if posted is not None:
-        work, doing, peer = posted
-        debug.wait_for(work, dist.get_global_rank(group, peer) if group is not None else peer, f"{name}, {doing} it")
-
-
-# ----------------------------------------------------------------------------- the naive way
+# ----------------------------------------------------------------------------- the naive way, then the ring
 
 
 def naive_all_reduce(tensor: torch.Tensor, op=SUM, group=None) -> torch.Tensor:
     """The baseline: everyone sends to rank 0, which reduces and sends the result back to everyone.
-
-    Rank 0 receives and sends (N-1) * D bytes; the ring needs 2(N-1)/N * D on every rank.
-    """
-    _check(tensor, op, group, "naive_all_reduce")
+    Rank 0 receives and sends (N-1) * D bytes; the ring needs 2(N-1)/N * D on every rank."""
+    check_collective(tensor, op, group, "naive_all_reduce")
     me, n = dist.get_rank(group), dist.get_world_size(group)
     flat = tensor.reshape(-1).clone()
     if me == 0:
         incoming = torch.empty_like(flat)
         for src in range(1, n):
-            _wait(_post(dist.irecv, incoming, src, group), group, "naive_all_reduce")
+            send_recv(None, 0, incoming, src, group, "naive_all_reduce")
             reduce_into(flat, incoming, op)
         if op == AVG:
             flat.div_(n)
         for dst in range(1, n):
-            _wait(_post(dist.isend, flat, dst, group), group, "naive_all_reduce")
+            send_recv(flat, dst, None, 0, group, "naive_all_reduce")
     elif n > 1:
-        _wait(_post(dist.isend, flat, 0, group), group, "naive_all_reduce")
-        _wait(_post(dist.irecv, flat, 0, group), group, "naive_all_reduce")
-    tensor.copy_(flat.view_as(tensor))
-    return tensor
+        send_recv(flat, 0, None, 0, group, "naive_all_reduce")
+        send_recv(None, 0, flat, 0, group, "naive_all_reduce")
+    return tensor.copy_(flat.view_as(tensor))
 
 
-# ----------------------------------------------------------------------------- the ring
+GLOO_SEGMENT_BYTES = 1 << 20  # gloo cuts an all-reduce into segments of at most 1 MiB (see chunk_bounds)
 
 
 def chunk_bounds(numel: int, n: int, elem_size: int) -> list[tuple[int, int]]:
     """Where chunk c of an all-reduce starts and ends: gloo's layout, so the sums match it bit for bit.
-
     gloo cuts the buffer into a multiple of n equal segments (at least 2n, at most GLOO_SEGMENT_BYTES
-    each); chunk c is segments [c*s, (c+1)*s). The last chunks can be short or empty.
-    """
-    total = numel * elem_size
-    segments = max(-(-total // GLOO_SEGMENT_BYTES), 2 * n)
+    each); chunk c is segments [c*s, (c+1)*s). The last chunks can be short or empty."""
+    segments = max(-(-numel * elem_size // GLOO_SEGMENT_BYTES), 2 * n)
     segments = -(-segments // n) * n
-    seg = -(-numel // segments)
-    per_chunk = seg * (segments // n)
+    per_chunk = -(-numel // segments) * (segments // n)
     return [(min(c * per_chunk, numel), min((c + 1) * per_chunk, numel)) for c in range(n)]
 
 
-def _segments(chunks: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Every chunk cut the same way (from the size of chunk 0, the largest): pieces of a chunk that a rank
-    sends line up with the pieces its neighbour receives. Short chunks get short or empty pieces."""
-    largest = chunks[0].numel()
-    count = max(1, -(-largest * chunks[0].element_size() // SEGMENT_BYTES))
-    if count == 1:  # a view per piece costs microseconds: a chunk that fits is its own piece
-        return [[c] for c in chunks]
-    seg = -(-largest // count)
-    return [[c[s * seg:(s + 1) * seg] for s in range(count)] for c in chunks]
+def textbook_reduce_scatter_steps(chunks: list[torch.Tensor], op=SUM, group=None) -> None:
+    """N-1 steps, in place: afterwards chunks[rank] is chunk `rank` reduced over every rank (AVG: summed)."""
+    # exercise: N-1 steps: send chunk (r+1+s) % N to the left, receive chunk (r+2+s) % N from the right, reduce it in
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    left, right = (r - 1) % n, (r + 1) % n
+    for s in range(n - 1):
+        send, mine = chunks[(r + 1 + s) % n], chunks[(r + 2 + s) % n]
+        incoming = torch.empty_like(mine)
+        send_recv(send, left, incoming, right, group, "reduce-scatter")  # one batch: see send_recv
+        reduce_into(mine, incoming, op)
+    # end exercise
 
 
-_SCRATCH: dict = {}  # (dtype, device) -> receive scratch, kept between calls (it only ever grows)
+def textbook_all_gather_steps(chunks: list[torch.Tensor], group=None) -> None:
+    """N-1 steps, in place: chunks[rank] is complete; afterwards every chunk is."""
+    # exercise: N-1 steps: send chunk (r+s) % N to the left, receive chunk (r+1+s) % N from the right into place
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    left, right = (r - 1) % n, (r + 1) % n
+    for s in range(n - 1):
+        send_recv(chunks[(r + s) % n], left, chunks[(r + 1 + s) % n], right, group, "all-gather")
+    # end exercise
 
 
-def _scratch(piece: torch.Tensor, count: int) -> list[torch.Tensor]:
-    """`count` buffers like `piece`, the same memory every call: a fresh CPU MiB is 256 page faults when
-    the data lands in it, about 0.35 ms measured on 2 vCPUs (gloo's scratch comes from the C heap, which
-    reuses its pages)."""
-    key, n = (piece.dtype, piece.device), piece.numel()
-    if key not in _SCRATCH or _SCRATCH[key].numel() < count * n:
-        _SCRATCH[key] = torch.empty(count * n, dtype=piece.dtype, device=piece.device)
-    return [_SCRATCH[key][k * n:(k + 1) * n] for k in range(count)]
-
-
-def _ring_steps(chunks: list[torch.Tensor], steps: range, group, name: str, op=SUM) -> None:
-    """Steps of the ring all-reduce: at step j every rank sends chunk rank+1+j to its left neighbour and
-    receives chunk rank+2+j from its right one, to be reduced into ours (steps 0..N-2: reduce-scatter) or
-    stored (steps N-1..2N-3: all-gather). Receives are posted ahead, in order: IN_FLIGHT into scratch while
-    reducing, all of them once they land in place."""
-    me, n = dist.get_rank(group), dist.get_world_size(group)
-    left, right, pieces = (me - 1) % n, (me + 1) % n, _segments(chunks)
-    S, items = len(pieces[0]), len(steps) * len(pieces[0])  # item i: step steps[i // S], segment i % S
-    if not items:
-        return
-    step = lambda i: steps[i // S]  # noqa: E731
-    piece = lambda i, shift: pieces[(me + shift + step(i)) % n][i % S]  # noqa: E731  shift 1: sent, 2: received
-    reduces = lambda i: step(i) < n - 1  # noqa: E731
-    scratch = _scratch(pieces[0][0], IN_FLIGHT) if reduces(0) else []
-    landing = lambda i: scratch[i % IN_FLIGHT][:piece(i, 2).numel()] if reduces(i) else piece(i, 2)  # noqa: E731
-    recvs, sends = {}, [_post(dist.isend, piece(i, 1), left, group) for i in range(min(S, items))]  # ours
-    for i in range(items):
-        while len(recvs) < items and (len(recvs) < i + IN_FLIGHT or not reduces(len(recvs))):
-            recvs[len(recvs)] = _post(dist.irecv, landing(len(recvs)), right, group)
-        if launch.VERBOSE:
-            launch.trace(f"{name} step {step(i)} segment {i % S}: send chunk {(me + 1 + step(i)) % n} -> rank "
-                         f"{left}, receive chunk {(me + 2 + step(i)) % n} <- rank {right}"
-                         f"{' and reduce it' if reduces(i) else ''}")
-        _wait(recvs[i], group, name)
-        if reduces(i):
-            reduce_into(piece(i, 2), landing(i), op)
-            if op == AVG and step(i) == n - 2:  # chunk `rank` is complete: average it before it moves on
-                piece(i, 2).div_(n)
-        if i + S < items:  # pass on what just arrived first: the left neighbour is waiting for it
-            sends.append(_post(dist.isend, piece(i + S, 1), left, group))
-    for posted in sends:
-        _wait(posted, group, name)
-
-
-def _exchange(flat: torch.Tensor, group, name: str, op) -> None:
-    """The ring of two ranks, its two phases fused. Each rank would send the peer's half (reduce-scatter),
-    then its own half once reduced (all-gather). Sending its own half as it is, at once, lets the peer
-    reduce that half too: the same D bytes, one step instead of two, D/2 more additions per rank (recursive
-    doubling at N = 2, Thakur, Rabenseifner & Gropp 2005). Two operands commute exactly: still gloo's sums."""
-    peer, pieces, ahead = 1 - dist.get_rank(group), _segments([flat])[0], EXCHANGE_AHEAD
-    scratch = _scratch(pieces[0], ahead)
-    landing = lambda k: scratch[k % ahead][:pieces[k].numel()]  # noqa: E731
-    recvs = [_post(dist.irecv, landing(k), peer, group) for k in range(min(ahead, len(pieces)))]  # before
-    sends = [_post(dist.isend, piece, peer, group) for piece in pieces]  # the peer's sends can reach them
-    for k, piece in enumerate(pieces):
-        if launch.VERBOSE:
-            launch.trace(f"{name}, N = 2, one exchange: segment {k} of the whole tensor -> rank {peer}, "
-                         f"rank {peer}'s <- and reduced into ours")
-        _wait(recvs[k], group, name)
-        _wait(sends[k], group, name)  # the piece is ours to change only once it has left
-        reduce_into(piece, landing(k), op)
-        if k + ahead < len(pieces):
-            recvs.append(_post(dist.irecv, landing(k + ahead), peer, group))
+def textbook_ring_all_reduce(tensor: torch.Tensor, op=SUM, group=None) -> torch.Tensor:
+    """In place, like dist.all_reduce (a contiguous tensor): reduce-scatter, then all-gather."""
+    n, flat = dist.get_world_size(group), tensor.view(-1)
+    chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), n, flat.element_size())]  # [D/N] each, about
+    textbook_reduce_scatter_steps(chunks, op, group)
+    textbook_all_gather_steps(chunks, group)
     if op == AVG:
-        flat.div_(2)
+        flat.div_(n)
+    return tensor
+
+
+# ----------------------------------------------------------------------------- the ring as the library runs it
+# On gloo the same steps run as one pipelined stream (segments moving on as they arrive, receives posted
+# ahead, at N = 2 one fused exchange: ring_pipelined.py), reduced in the same order, so just as exact, and
+# about as fast as gloo's own ring. NCCL needs each step's send and receive in one batch: the textbook steps.
 
 
 def ring_all_reduce(tensor: torch.Tensor, op=SUM, group=None) -> torch.Tensor:
     """In place, like dist.all_reduce: every rank ends with the reduction of every rank's tensor."""
-    _check(tensor, op, group, "ring_all_reduce")
+    check_collective(tensor, op, group, "ring_all_reduce")
     n = dist.get_world_size(group)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-    # (not on NCCL: it runs a rank's sends and receives in order on one stream, where the exchange's receives,
-    # posted ahead of the peer's sends, would wait forever; the ring's sends go first, as at N >= 3)
-    if n == 2 and flat.numel() and dist.get_backend(group) != dist.Backend.NCCL:
-        _exchange(flat, group, "ring_all_reduce", op)
+    if launch.nccl(group):  # (or a recorded run that takes NCCL's paths: nccl_order.py)
+        textbook_ring_all_reduce(flat, op, group)
     else:
-        chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), n, flat.element_size())]
-        _ring_steps(chunks, range(2 * n - 2), group, "ring_all_reduce", op)  # reduce-scatter, all-gather
-    if not tensor.is_contiguous():
-        tensor.copy_(flat.view_as(tensor))
-    return tensor
+        if n == 2 and flat.numel():
+            pipelined.fused_exchange(flat, group, "ring_all_reduce", op)
+        else:
+            chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), n, flat.element_size())]
+            pipelined.pipelined_ring_steps(chunks, range(2 * n - 2), group, "ring_all_reduce", op)
+        if op == AVG:
+            flat.div_(n)
+    return tensor if tensor.is_contiguous() else tensor.copy_(flat.view_as(tensor))
 
 
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=SUM, group=None) -> torch.Tensor:
     """Like dist.reduce_scatter_single: rank r gets block r of the reduced input (N equal blocks)."""
-    _check(input, op, group, "ring_reduce_scatter")
+    check_collective(input, op, group, "ring_reduce_scatter")
     n, me = dist.get_world_size(group), dist.get_rank(group)
     if input.numel() != n * output.numel():
         raise ValueError(f"ring_reduce_scatter: input has {input.numel()} elements, expected "
                          f"group size {n} x output's {output.numel()}")
-    chunks = list(input.reshape(-1).clone().chunk(n)) if output.numel() else [output.view(-1)] * n
-    _ring_steps(chunks, range(n - 1), group, "ring_reduce_scatter", op)  # in a copy: the input stays as it was
+    chunks = list(input.reshape(-1).clone().chunk(n)) if output.numel() else [output.view(-1)] * n  # a copy
+    if launch.nccl(group):
+        textbook_reduce_scatter_steps(chunks, op, group)
+    else:
+        pipelined.pipelined_ring_steps(chunks, range(n - 1), group, "ring_reduce_scatter", op)
     output.view(-1).copy_(chunks[me])
-    return output
+    return output.div_(n) if op == AVG else output
 
 
 def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
     """Like dist.all_gather_single: output = every rank's input, concatenated in rank order."""
-    _check(input, SUM, group, "ring_all_gather")
+    check_collective(input, SUM, group, "ring_all_gather")
     n, me = dist.get_world_size(group), dist.get_rank(group)
     if output.numel() != n * input.numel() or not output.is_contiguous():
         raise ValueError(f"ring_all_gather: output must be contiguous with group size {n} x input's "
                          f"{input.numel()} elements, got {output.numel()}")
     chunks = list(output.view(-1).chunk(n)) if input.numel() else [output.view(-1)] * n
     chunks[me].copy_(input.reshape(-1))
-    _ring_steps(chunks, range(n - 1, 2 * n - 2), group, "ring_all_gather")
+    if launch.nccl(group):
+        textbook_all_gather_steps(chunks, group)
+    else:
+        pipelined.pipelined_ring_steps(chunks, range(n - 1, 2 * n - 2), group, "ring_all_gather")
     return output
+
+
+# ----------------------------------------------------------------------------- what the demo measures
+
+
+def _total(x: float, op=SUM, group=None) -> float:
+    t = torch.tensor([float(x)], dtype=torch.float64, device=launch.device())
+    dist.all_reduce(t, op=op, group=group)
+    return t.item()
+
+
+def ring_step_picture(group=None) -> tuple[str, bool]:
+    """Who holds what after each step of one textbook ring all-reduce, recorded from the run itself: rank r's
+    tensor starts as 2^r (int64, two elements per chunk), so a chunk's value names the ranks summed into it,
+    and each batch_isend_irecv the ring posts is intercepted to note the state and the chunk sent. Returns
+    (the table, whether rank r holds chunk r complete after N-1 steps and every rank all of it after 2(N-1))."""
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    x = torch.full((2 * n,), 1 << r, dtype=torch.int64, device=launch.device())
+    starts = [a for a, _ in chunk_bounds(x.numel(), n, x.element_size())]
+    states, sent, real = [], [-1], dist.batch_isend_irecv
+
+    def recording(ops):
+        states.append(x.clone())
+        sent.extend(starts.index((op.tensor.data_ptr() - x.data_ptr()) // 8) for op in ops if op.op is dist.isend)
+        return real(ops)
+    dist.batch_isend_irecv = recording
+    try:
+        textbook_ring_all_reduce(x, SUM, group)
+    finally:
+        dist.batch_isend_irecv = real
+    rows = [[bin(int(s[a])).count("1") for a in starts] + [c] for s, c in zip(states + [x], sent)]  # [2N-1, N+1]
+    everyone = torch.empty(n * len(rows) * (n + 1), dtype=torch.int64, device=launch.device())
+    dist.all_gather_single(everyone, torch.tensor(rows, device=launch.device()).view(-1), group=group)
+    seen = everyone.view(n, len(rows), n + 1).tolist()  # [rank, row, chunk counts + the chunk sent]
+    label = lambda k: "start" if k == 0 else f"reduce-scatter {k}" if k < n else f"all-gather {k - n + 1}"  # noqa: E731
+    cell = lambda q, k: "".join(f"{c:>2}{'<' if j == seen[q][k][n] else ' '}"  # noqa: E731
+                                for j, c in enumerate(seen[q][k][:n]))
+    lines = [f"{'after step':<18}" + "".join(f" rank {q:<{3 * n - 4}}" for q in range(n))]
+    lines += [f"{label(k):<18}" + "".join(cell(q, k) + "  " for q in range(n)) for k in range(len(rows))]
+    ok = all(seen[q][n - 1][q] == n and seen[q][-1][:n] == [n] * n for q in range(n))
+    return (f"one ring all-reduce on {n} ranks, step by step: how many ranks' data each chunk holds ({n} = fully "
+            f"reduced); < = the chunk the rank sent to its left at that step (recorded: rank r starts with 2^r, so "
+            f"a chunk's value names the ranks summed into it)\n" + "\n".join(lines)), ok
+
+
+def what_each_rank_holds(group=None) -> tuple[str, bool]:
+    """Question 4: rank r holds (r+1) x [1..N]; what all-reduce, reduce-scatter, all-gather leave on each rank."""
+    n, r, dev = dist.get_world_size(group), dist.get_rank(group), launch.device()
+    x = torch.arange(1.0, n + 1, device=dev) * (r + 1)
+    native = x.clone()
+    dist.all_reduce(native, group=group)
+    summed = ring_all_reduce(x.clone(), group=group)
+    block = ring_reduce_scatter(torch.empty(1, device=dev), x.clone(), group=group)
+    gathered = ring_all_gather(torch.empty(n, device=dev), block, group=group)
+    show = lambda t: "[" + ", ".join(f"{v:g}" for v in t.tolist()) + "]"  # noqa: E731
+    ok = torch.equal(summed, native) and torch.equal(block, native[r:r + 1]) and torch.equal(gathered, native)
+    return (f"rank r holds (r+1) x {show(x / (r + 1))}; all-reduce: {show(summed)} on every rank; reduce-scatter: "
+            f"rank r keeps block r of that sum ({', '.join(show(t) for t in gathered.chunk(n))}); all-gather of "
+            f"those blocks: {show(gathered)} on every rank; all = torch.distributed's"), _total(not ok) == 0
+
+
+def ring_bytes_per_rank(numel: int = 1 << 16) -> tuple[str, bool]:
+    """Question 5 (every rank of the world): bytes the ring sends per rank on 2 ranks and on all of them, and
+    what the naive all-reduce's root sends, for numel fp32."""
+    N, D = dist.get_world_size(), 4 * numel
+
+    def sent(fn, size):  # (mean, largest) bytes one of the first `size` ranks sent
+        group = launch.new_group(range(size))  # every rank creates it; the others sit this one out
+        LEDGER.reset()
+        if dist.get_rank() < size:
+            fn(torch.ones(numel, device=launch.device()), group=group)
+        return _total(LEDGER.sent) / size, _total(LEDGER.sent, MAX)
+    ring = {size: sent(ring_all_reduce, size)[0] / D for size in sorted({min(2, N), N})}
+    root = sent(naive_all_reduce, N)[1] / D
+    return (f"D = {D:,} B: the ring sends " + ", ".join(f"{v:.2f}D per rank on {s} ranks" for s, v in ring.items())
+            + f" (2(N-1)/N D, never above 2D); the naive all-reduce's root (rank 0) sends {root:.2f}D on {N} "
+            f"ranks ((N-1)D)"), all(v == 2 * (s - 1) / s for s, v in ring.items()) and root == N - 1
+
+
+def all_reduce_is_reduce_scatter_plus_all_gather(group=None) -> tuple[str, bool]:
+    """Question 6: one ring all-reduce against a ring reduce-scatter then all-gather: bytes and result."""
+    n, dev = dist.get_world_size(group), launch.device()
+    x = torch.randn(n * 4096, generator=torch.Generator().manual_seed(dist.get_rank(group))).to(dev)
+    LEDGER.reset()
+    whole = ring_all_reduce(x.clone(), group=group)
+    one = _total(LEDGER.sent, group=group)
+    LEDGER.reset()
+    halves = ring_all_gather(torch.empty_like(x), ring_reduce_scatter(torch.empty(4096, device=dev), x, group=group),
+                             group=group)
+    two, D = _total(LEDGER.sent, group=group), x.nbytes
+    same = _total(not torch.equal(whole, halves), group=group) == 0
+    return (f"D = {D:,} B fp32 on {n} ranks: all-reduce sent {one / n / D:.2f}D per rank, reduce-scatter + "
+            f"all-gather {two / n / D:.2f}D; results bit-identical: {same}"), same and one == two == 2 * (n - 1) * D
 
 
 # ----------------------------------------------------------------------------- demo
@@ -284,14 +262,11 @@ def parser():
     p = launch.demo_parser(__doc__)
     p.add_argument("--numel", type=int, default=1_048_579,
                    help="fp32 elements per rank (any count: chunks need not be equal)")
-    p.add_argument("--verbose", action="store_true",
-                   help="trace every send and receive of one small all-reduce (as VERBOSE=1 does)")
     return p
 
 
 def demo(args) -> int:
     launch.require(args.numel >= 0, f"--numel must be at least 0, got {args.numel}")
-    verbose, launch.VERBOSE = args.verbose or launch.VERBOSE, False  # trace one small call, not every call
     env = launch.setup()
     n, r = env.world_size, env.rank
     g = torch.Generator().manual_seed(r)
@@ -299,43 +274,22 @@ def demo(args) -> int:
     # gloo reduce-scatters by all-reducing and keeping block r; blocks of an even count up to 1 MiB share
     # its chunk layout, so the sums are bit-identical (elsewhere only their order differs: tests bound it)
     blocks = torch.randn(n * min(args.numel // n // 2 * 2, 1 << 18), generator=g).to(env.device)
-    native, ring = x.clone(), x.clone()
+    native, rs = x.clone(), torch.empty(blocks.numel() // n, device=env.device)
+    ag = torch.empty(n * x.numel(), device=env.device)
     dist.all_reduce(native)
-    ring_all_reduce(ring)
-    rs = [torch.empty(blocks.numel() // n, device=env.device) for _ in range(2)]
-    ag = [torch.empty(n * x.numel(), device=env.device) for _ in range(2)]
-    dist.reduce_scatter_single(rs[0], blocks)
-    ring_reduce_scatter(rs[1], blocks)
-    dist.all_gather_single(ag[0], x)
-    ring_all_gather(ag[1], x)
-    same = [torch.equal(a, b) for a, b in [(native, ring), rs, ag]]
-    launch.print0(f"ring vs gloo on {n} ranks, {args.numel:,} fp32 per rank: all-reduce, reduce-scatter, "
-                  f"all-gather {'bit-identical' if all(same) else f'DIFFERENT {same}'}")
-
-    D = x.nbytes
-    sent = {}
-    for name, fn in [("naive", naive_all_reduce), ("ring", ring_all_reduce)]:
-        LEDGER.reset()
-        fn(x.clone())
-        everyone = torch.tensor([LEDGER.sent, LEDGER.sent], device=env.device)
-        dist.all_reduce(everyone[:1])
-        dist.all_reduce(everyone[1:], op=MAX)
-        sent[name] = everyone.tolist()
-    ring_ok = sent["ring"][0] == 2 * (n - 1) * D and sent["naive"][1] == (n - 1) * D
-    launch.print0(f"bytes sent for D = {D:,} B    busiest rank     mean over ranks   formula\n"
-                  f"  naive (root = rank 0)     {sent['naive'][1]:>12,}  {sent['naive'][0] / n:>16,.0f}   "
-                  f"root (N-1)*D = {(n - 1) * D:,}\n"
-                  f"  ring                      {sent['ring'][1]:>12,}  {sent['ring'][0] / n:>16,.0f}   "
-                  f"2(N-1)/N*D = {2 * (n - 1) / n * D:,.0f}")
-    if verbose:  # 2 elements per chunk: every send and receive of one all-reduce, each rank's line whole
-        launch.VERBOSE = True
-        dist.barrier()
-        after = ring_all_reduce(torch.arange(2.0 * n, device=env.device) + 10 * r)
-        launch.trace(f"x = arange(2N) + 10 * rank -> {after.tolist()}")
-        launch.VERBOSE = False
-    return launch.conclude("ring_allreduce", all(same), "bit-identical to dist.all_reduce/RS/AG", ring_ok,
-                           f"ring sent {sent['ring'][0] / n:,.0f} B/rank = 2(N-1)/N*D, naive root "
-                           f"{sent['naive'][1]:,} B = (N-1)*D")
+    dist.reduce_scatter_single(rs, blocks)
+    dist.all_gather_single(ag, x)
+    same = [torch.equal(native, fn(x.clone())) for fn in (ring_all_reduce, textbook_ring_all_reduce)] + [
+        torch.equal(rs, ring_reduce_scatter(torch.empty_like(rs), blocks)),
+        torch.equal(ag, ring_all_gather(torch.empty_like(ag), x))]
+    launch.print0(f"ring all-reduce, textbook ring all-reduce, ring reduce-scatter, ring all-gather vs gloo's on {n} "
+                  f"ranks, {args.numel:,} fp32 per rank: {'bit-identical' if all(same) else f'DIFFERENT {same}'}")
+    figures = [ring_step_picture(), what_each_rank_holds(), ring_bytes_per_rank(),
+               all_reduce_is_reduce_scatter_plus_all_gather()]
+    for figure, _ in figures:
+        launch.print0("\n" + figure)
+    return launch.conclude("ring_allreduce", all(same), "bit-identical to dist.all_reduce/RS/AG",
+                           all(ok for _, ok in figures), figures[2][0].split(";")[0])
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ DEMOS = sorted([f[:-3] for f in os.listdir(os.path.join(ROOT, "mini_dist"))
 # A configuration each demo cannot run, as (world size, arguments) and a word the one-line error must contain.
 BAD = {
     "activation_checkpoint": (1, ["--layers", "4", "--segments", "5"], "--segments"),
+    "alpha_beta": (4, ["--ranks-per-node", "3"], "ranks-per-node"),
     "checkpoint": (2, ["--rows", "0"], "--rows"),
+    "collectives": (2, ["--rows", "0"], "--rows"),
     "comm": (2, ["--seq", "0"], "--seq"),
     "compression": (2, ["--ranks", "1000"], "--ranks"),
     "context_parallel": (5, [], "--seq"),
@@ -45,6 +47,7 @@ BAD = {
     "reducer": (2, ["--batch", "0"], "batch"),
     "reshard": (3, ["--width", "4"], "--width"),
     "ring_allreduce": (2, ["--numel", "-1"], "--numel"),
+    "ring_pipelined": (2, ["--numel", "3"], "--numel"),
     "selective_checkpoint": (1, ["--heads", "3"], "--heads"),
     "sequence_layout": (5, [], "--seq"),
     "sharded_state": (2, ["--steps", "0"], "steps"),

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness import RankFailure, device, run, subgroup
+from harness import RankFailure, device, rank_generator, run, subgroup
 from mini_dist import comm
 from mini_dist.kit import debug
 
@@ -44,14 +44,45 @@ def test_every_operator_equals_its_one_process_meaning_exactly(world, data, b, s
             assert nbytes == (payload[name] if T > 1 else 0), (rank, name, nbytes)
 
 
+def f_and_g(seed, shape):
+    """Megatron's f and g on integer fp64 data (every sum exact), each beside what it must equal:
+    [(what, ours, the one-process value)]."""
+    g = rank_generator(seed)
+    replicated = torch.randint(-8, 8, shape, generator=torch.Generator().manual_seed(seed)).double().to(device())
+    own = torch.randint(-8, 8, shape, generator=g).double().to(device())
+    a, b = replicated.clone().requires_grad_(), own.clone().requires_grad_()
+    y = comm.f(a)                      # forward identity
+    (y * own).sum().backward()         # each rank's loss weighs y by its own tensor: a partial gradient
+    z = comm.g(b)                      # forward: the sum of the ranks' partial results
+    (z * replicated).sum().backward()  # one loss, the same on every rank
+    total = own.clone()
+    dist.all_reduce(total)
+    return [("f forward", y.detach(), replicated), ("f backward", a.grad, total),
+            ("g forward", z.detach(), total), ("g backward", b.grad, replicated)]
+
+
+@pytest.mark.exercise
+@given(world=st.integers(1, 5), shape=st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple),
+       seed=st.integers(0, 100))
+def test_f_is_identity_then_all_reduce_and_g_is_all_reduce_then_identity(world, shape, seed):
+    for rank, checks in enumerate(run(world, f_and_g, seed, shape)):
+        for what, ours, want in checks:
+            assert ours is not None and ours.shape == want.shape, f"rank {rank} {what}: got {ours}, want shape " \
+                                                                  f"{tuple(want.shape)}"
+            off = (ours != want).reshape(-1).nonzero()
+            i = off[0].item() if len(off) else None
+            assert i is None, f"rank {rank} {what} element {i}: got {ours.reshape(-1)[i].item():g}, want " \
+                              f"{want.reshape(-1)[i].item():g}"
+
+
 def rows_round_trip(counts_seed, width):
     """Rank r sends send[j] rows to rank j (some zero); the rows land where a direct permutation puts them,
     and the gradient of each sent row is the weight its receiver gave it."""
     T, r = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(counts_seed * 31 + r)
-    send = torch.randint(0, 3, (T,), generator=g).tolist()
-    table = [torch.empty(T, dtype=torch.int64) for _ in range(T)]
-    dist.all_gather(table, torch.tensor(send))
+    send = torch.randint(0, 3, (T,), generator=g).tolist()  # cpu: row counts, a list
+    table = [torch.empty(T, dtype=torch.int64, device=device()) for _ in range(T)]
+    dist.all_gather(table, torch.tensor(send, device=device()))
     recv = [int(table[j][r]) for j in range(T)]
     x = (torch.arange(sum(send) * width, dtype=torch.float64).view(-1, width) + 1000 * r).to(device())
     x.requires_grad_()

@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 
 from harness import RankFailure, device, rank_generator, run, subgroup
 from mini_dist import ring_allreduce as ra
-from mini_dist.kit import debug
+from mini_dist import ring_pipelined as rp
+from mini_dist.kit import debug, launch
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.int32, torch.int64, torch.int8, torch.uint8]
@@ -22,11 +23,11 @@ def draw_tensor(seed, shape, dtype, op):
     g = rank_generator(seed)
     if dtype.is_floating_point:
         # PRODUCT over 5 ranks of values near 1 stays finite in fp16; SUM sees mixed magnitudes.
-        x = 1 + 0.1 * torch.randn(shape, generator=g) if op == "product" else \
-            torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g))
+        x = (1 + 0.1 * torch.randn(shape, generator=g) if op == "product" else  # cpu: moved below
+             torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g)))  # cpu: moved below
     else:
         lo, hi = (0, 4) if dtype == torch.uint8 or op == "product" else (-50, 50)
-        x = torch.randint(lo, hi, shape, generator=g)
+        x = torch.randint(lo, hi, shape, generator=g)  # cpu: drawn on the CPU (the same on any device), moved below
     return x.to(dtype).to(device())
 
 
@@ -34,17 +35,17 @@ def draw_tensor(seed, shape, dtype, op):
 def pipelined(segment_bytes, in_flight):
     """The ring with segments of segment_bytes and in_flight receives posted ahead in the reduce-scatter
     (and in the exchange at N = 2)."""
-    saved = ra.SEGMENT_BYTES, ra.IN_FLIGHT, ra.EXCHANGE_AHEAD
-    ra.SEGMENT_BYTES, ra.IN_FLIGHT, ra.EXCHANGE_AHEAD = segment_bytes, in_flight, in_flight
+    saved = rp.SEGMENT_BYTES, rp.IN_FLIGHT, rp.EXCHANGE_AHEAD
+    rp.SEGMENT_BYTES, rp.IN_FLIGHT, rp.EXCHANGE_AHEAD = segment_bytes, in_flight, in_flight
     try:
         yield
     finally:
-        ra.SEGMENT_BYTES, ra.IN_FLIGHT, ra.EXCHANGE_AHEAD = saved
+        rp.SEGMENT_BYTES, rp.IN_FLIGHT, rp.EXCHANGE_AHEAD = saved
 
 
 # 512 and 4096 B cut the drawn tensors into several segments per chunk; 1 and 3 receives ahead shift which
 # scratch slot a segment lands in
-pipelines = st.tuples(st.sampled_from([512, 4096, ra.SEGMENT_BYTES]), st.sampled_from([1, 2, 3]))
+pipelines = st.tuples(st.sampled_from([512, 4096, rp.SEGMENT_BYTES]), st.sampled_from([1, 2, 3]))
 
 
 def all_reduce_both(seed, shape, dtype, op, ranks, pipeline, transposed=False):
@@ -151,9 +152,85 @@ def test_ring_all_gather_is_bit_identical_to_native(world, shape, dtype, seed, p
         assert torch.equal(native, ring)
 
 
+# ----- the textbook ring, the learner's exercise: the same results as torch.distributed's own -----
+
+def first_difference(rank, native, ours) -> str:
+    """Where ours differs from torch.distributed's result, in one line (rank, element, both values)."""
+    if ours.shape != native.shape or ours.dtype != native.dtype:
+        return f"rank {rank}: got {tuple(ours.shape)} {ours.dtype}, dist: {tuple(native.shape)} {native.dtype}"
+    i = (ours.reshape(-1) != native.reshape(-1)).nonzero()[0].item()
+    return f"rank {rank} element {i}: got {ours.reshape(-1)[i].item()}, dist gives {native.reshape(-1)[i].item()}"
+
+
+def textbook_both(seed, shape, dtype, op, which):
+    """dist's collective and the textbook ring's on this rank's drawn tensor: (native, ours, input rows)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    x = draw_tensor(seed, shape, dtype, op)
+    if which == "all_reduce":
+        native, ours = x.clone(), x.clone()
+        dist.all_reduce(native, op=OPS[op])
+        assert ra.textbook_ring_all_reduce(ours, OPS[op]) is ours
+    elif which == "reduce_scatter":  # x is [n * block]: reduce, keep block r
+        native = torch.empty(x.numel() // n, dtype=dtype, device=device())
+        dist.reduce_scatter_single(native, x, op=OPS[op])
+        chunks = list(x.clone().chunk(n)) if native.numel() else [native.clone()] * n
+        ra.textbook_reduce_scatter_steps(chunks, OPS[op])
+        ours = chunks[r] / n if op == "avg" else chunks[r]
+    else:
+        native, out = (torch.empty(n * x.numel(), dtype=dtype, device=device()) for _ in "ab")
+        dist.all_gather_single(native, x.reshape(-1))
+        chunks = list(out.chunk(n)) if x.numel() else [out] * n
+        chunks[r].copy_(x.reshape(-1))
+        ra.textbook_all_gather_steps(chunks)
+        ours = out
+    everyone = torch.empty(n * x.numel(), dtype=dtype, device=device())
+    dist.all_gather_single(everyone, x.reshape(-1))
+    return native.cpu(), ours.cpu(), everyone.view(n, -1).cpu()
+
+
+@pytest.mark.exercise
+@pytest.mark.parametrize("op", list(OPS))
+@settings(max_examples=10)
+@given(world=st.integers(1, 5), shape=shapes, data=st.data(), seed=st.integers(0, 10**6))
+def test_textbook_ring_all_reduce_is_bit_identical_to_native(op, world, shape, data, seed):
+    # gloo's chunks, sent to the left: chunk c is summed x[c-1] + x[c-2] + ... + x[c], as gloo sums it
+    dtype = data.draw(dtypes_for(op))
+    for rank, (native, ours, _) in enumerate(run(world, textbook_both, seed, shape, dtype, op, "all_reduce")):
+        assert torch.equal(native, ours), first_difference(rank, native, ours)
+
+
+@pytest.mark.exercise
+@pytest.mark.parametrize("op", list(OPS))
+@settings(max_examples=10)
+@given(world=st.integers(1, 5), block=st.integers(0, 300), data=st.data(), seed=st.integers(0, 10**6))
+def test_textbook_reduce_scatter_steps_leave_rank_r_block_r_of_the_reduction(op, world, block, data, seed):
+    dtype = data.draw(dtypes_for(op))
+    for rank, (native, ours, xs) in enumerate(run(world, textbook_both, seed, (world * block,), dtype, op,
+                                                  "reduce_scatter")):
+        # gloo sums in its all-reduce layout: exact where that layout puts block r in chunk r, else within
+        # the summation-order bound (see the pipelined ring's reduce-scatter test above)
+        same_layout = ra.chunk_bounds(world * block, world, xs.element_size())[rank] == (
+            rank * block, (rank + 1) * block)
+        if same_layout or not dtype.is_floating_point or op in ("max", "min") or world <= 2:
+            assert torch.equal(native, ours), first_difference(rank, native, ours)
+        else:
+            u = torch.finfo(dtype).eps / 2
+            mine = xs[:, rank * block:(rank + 1) * block].double()
+            scale = (mine.abs().prod(0) if op == "product" else mine.abs().sum(0)) / (world if op == "avg" else 1)
+            off = (native.double() - ours.double()).abs() > (2 * (world - 1) + 2) * u * scale
+            assert not off.any(), first_difference(rank, native, ours) + " beyond the summation-order bound"
+
+
+@pytest.mark.exercise
+@given(world=st.integers(1, 5), shape=shapes, dtype=st.sampled_from(FLOATS + INTS), seed=st.integers(0, 10**6))
+def test_textbook_all_gather_steps_give_every_rank_every_block_in_rank_order(world, shape, dtype, seed):
+    for rank, (native, ours, _) in enumerate(run(world, textbook_both, seed, shape, dtype, "sum", "all_gather")):
+        assert torch.equal(native, ours), first_difference(rank, native, ours)
+
+
 def ledger_of(numel, dtype, which):
     ra.LEDGER.reset()
-    fn = ra.ring_all_reduce if which == "ring" else ra.naive_all_reduce
+    fn = {"ring": ra.ring_all_reduce, "textbook": ra.textbook_ring_all_reduce, "naive": ra.naive_all_reduce}[which]
     fn(torch.ones(numel, dtype=dtype, device=device()))
     return ra.LEDGER.sent, ra.LEDGER.received
 
@@ -161,8 +238,9 @@ def ledger_of(numel, dtype, which):
 @given(world=st.integers(1, 5), numel=st.integers(0, 5000), dtype=st.sampled_from(
     [torch.float32, torch.float16, torch.float64]))
 def test_ring_sends_2_n_minus_1_over_n_times_d_and_naive_root_sends_n_minus_1_times_d(world, numel, dtype):
-    D = numel * torch.empty(0, dtype=dtype).element_size()
+    D = numel * dtype.itemsize
     ring = run(world, ledger_of, numel, dtype, "ring")
+    assert run(world, ledger_of, numel, dtype, "textbook") == ring  # the same steps, the same bytes
     chunks = [(b - a) * D // max(numel, 1) for a, b in ra.chunk_bounds(numel, world, D // max(numel, 1))]
     for rank, (sent, received) in enumerate(ring):
         # reduce-scatter sends every chunk but the rank's own and receives all but its right one's;
@@ -179,76 +257,32 @@ def test_ring_sends_2_n_minus_1_over_n_times_d_and_naive_root_sends_n_minus_1_ti
     assert all(sent == received == D for sent, received in naive[1:])
 
 
-def scratch_after(sizes):
-    """The receive scratch after ring all-reduces of these sizes (fp32, then fp64): (numel, data_ptr)."""
-    ra._SCRATCH.clear()
-    seen = []
-    for dtype in (torch.float32, torch.float64):
-        for numel in sizes:
-            x = torch.ones(numel, dtype=dtype, device=device())
-            ra.ring_all_reduce(x)
-            assert torch.equal(x, torch.full_like(x, dist.get_world_size()))
-            assert len(ra._SCRATCH) == len({key[0] for key in ra._SCRATCH})  # one buffer per dtype, not per size
-            seen.append({str(k[0]): (b.numel(), b.data_ptr()) for k, b in ra._SCRATCH.items()})
-    return seen
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_the_receive_scratch_is_one_buffer_per_dtype_reused_by_every_call_and_bounded(world):
-    # a fresh MiB is 256 page faults when the data lands in it: the ring keeps its scratch between calls,
-    # one buffer per dtype and device, never above IN_FLIGHT segments (EXCHANGE_AHEAD at N = 2) however
-    # large the tensor
-    sizes = [300, 1 << 20, 5 << 20, 1 << 20, 300]  # 1.2 KB, 4 MiB, 20 MiB, 4 MiB again, 1.2 KB again
-    for seen in run(world, scratch_after, sizes):
-        fp32, fp64 = seen[len(sizes) - 1], seen[-1]
-        assert set(fp32) == {"torch.float32"} and set(fp64) == {"torch.float32", "torch.float64"}
-        assert fp64["torch.float32"] == fp32["torch.float32"]  # fp64 calls left the fp32 buffer alone
-        for key, elem in (("torch.float32", 4), ("torch.float64", 8)):
-            steps = [s[key] for s in seen if key in s]
-            for (n0, ptr0), (n1, ptr1) in zip(steps, steps[1:]):
-                assert n1 >= n0 and (n1 > n0 or ptr1 == ptr0)  # new memory only to grow, never per call
-            assert steps[-1] == steps[len(sizes) - 3]  # after the largest call: the same memory
-            ahead = ra.EXCHANGE_AHEAD if world == 2 else ra.IN_FLIGHT
-            assert ra.SEGMENT_BYTES < steps[-1][0] * elem <= ahead * ra.SEGMENT_BYTES
-
-
-def what_travels(numel, as_nccl=False):
-    """One ring all-reduce on both ranks (as_nccl: their subgroup, whose backend is said to be NCCL; there is
-    no device here): (the input, the pieces sent as they were sent, the sizes received, the result, gloo's)."""
-    group = subgroup([0, 1]) if as_nccl else None
-    sent, received, saved = [], [], (dist.isend, dist.irecv, dist.get_backend)
-    dist.isend = lambda piece, **k: sent.append(piece.clone()) or saved[0](piece, **k)
-    dist.irecv = lambda piece, **k: received.append(piece.numel()) or saved[1](piece, **k)
-    dist.get_backend = lambda g=None: dist.Backend.NCCL if as_nccl and g is group else saved[2](g)
-    x = torch.randn(numel, generator=rank_generator(1)).to(device())
+def batches(world_numel, as_nccl):
+    """One ring all-reduce (as_nccl: taking NCCL's paths, as launch.PRETEND_NCCL makes it; there is no device
+    here): every batch_isend_irecv it posted, as [(send?, group peer, numel)], the result, gloo's."""
+    seen, saved = [], (dist.batch_isend_irecv, launch.PRETEND_NCCL)
+    dist.batch_isend_irecv = lambda ops: seen.append([(op.op is dist.isend, op.group_peer, op.tensor.numel())
+                                                      for op in ops]) or saved[0](ops)
+    launch.PRETEND_NCCL = as_nccl
+    x = torch.randn(world_numel, generator=rank_generator(1)).to(device())
     try:
-        ra.ring_all_reduce(y := x.clone(), group=group)
+        ra.ring_all_reduce(y := x.clone())
     finally:
-        dist.isend, dist.irecv, dist.get_backend = saved
+        dist.batch_isend_irecv, launch.PRETEND_NCCL = saved
     native = x.clone()
     dist.all_reduce(native)
-    return x, sent, received, y, native
+    return seen, y, native
 
 
-@pytest.mark.parametrize("numel", [1, 1000, 3 * (1 << 18) + 5])  # 4 B, 4 kB, 3 MiB + 20 B: 4 segments
-def test_at_two_ranks_the_two_phases_fuse_into_one_exchange_of_the_whole_tensor(numel):
-    # Both neighbours are the same rank: each sends its own tensor, untouched, once, in segments of at most
-    # SEGMENT_BYTES, receives the peer's in the same segments and reduces it (one step, not reduce-scatter
-    # then all-gather): the same D bytes, and still gloo's sums (two operands commute exactly)
-    for x, sent, received, y, native in run(2, what_travels, numel):
-        sizes = [p.numel() for p in sent]
-        assert torch.equal(torch.cat(sent), x) and sizes == received and torch.equal(y, native)
-        assert max(sizes) * 4 <= ra.SEGMENT_BYTES and len(sizes) == -(-numel * 4 // ra.SEGMENT_BYTES)
-
-
-def test_under_nccl_the_two_ranks_keep_the_rings_two_phases_sends_first():
-    # NCCL runs a rank's sends and receives in order on one stream: the exchange's receives, posted ahead of
-    # the peer's sends, would wait there forever. So under NCCL N = 2 runs the ring: send the peer's chunk as
-    # it is, then our own chunk reduced
-    for rank, (x, sent, _, y, native) in enumerate(run(2, what_travels, 1000, True)):
-        (a, b), (c, d) = ra.chunk_bounds(1000, 2, 4)[1 - rank], ra.chunk_bounds(1000, 2, 4)[rank]
-        assert torch.equal(y, native) and len(sent) == 2
-        assert torch.equal(sent[0], x[a:b]) and torch.equal(sent[1], native[c:d])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_under_nccl_every_step_is_one_batch_of_a_send_left_and_a_receive_from_the_right(world):
+    # NCCL runs a rank's unbatched sends and receives in order on one stream: a ring whose ranks all send
+    # first waits forever. Under NCCL each of the 2(N-1) steps is one batch_isend_irecv, and gloo's sums stay
+    for rank, (seen, y, native) in enumerate(run(world, batches, 1000, True)):
+        assert torch.equal(y, native) and len(seen) == 2 * (world - 1)
+        assert all([(s, p) for s, p, _ in ops] == [(True, (rank - 1) % world), (False, (rank + 1) % world)]
+                   for ops in seen)
+    assert all(seen == [] for seen, _, _ in run(world, batches, 1000, False))  # gloo: the pipelined stream
 
 
 def naive_equals_native(seed, world_shape):
@@ -266,23 +300,24 @@ def test_naive_all_reduce_equals_native_on_integers(world):
 def reduce_mismatched(kind):
     r = dist.get_rank()
     if kind == "shape":
-        x = torch.zeros(3 + (r == 1))
+        x = torch.zeros(3 + (r == 1), device=device())
     elif kind == "dtype":
-        x = torch.zeros(3, dtype=torch.float64 if r == 1 else torch.float32)
+        x = torch.zeros(3, dtype=torch.float64 if r == 1 else torch.float32, device=device())
     elif kind == "device":
-        x = torch.zeros(3, device="meta" if r == 1 else "cpu")
+        x = torch.zeros(3, device="meta" if r == 1 else device())
     elif kind == "op":
-        return ra.ring_all_reduce(torch.zeros(3), op=dist.ReduceOp.BAND if r == 2 else ra.SUM)
+        return ra.ring_all_reduce(torch.zeros(3, device=device()), op=dist.ReduceOp.BAND if r == 2 else ra.SUM)
     elif kind == "dtype_unsupported":
-        return ra.ring_all_reduce(torch.zeros(3, dtype=torch.complex64 if r == 0 else torch.float32))
+        return ra.ring_all_reduce(torch.zeros(3, dtype=torch.complex64 if r == 0 else torch.float32, device=device()))
     elif kind == "gather":
-        return ra.ring_all_gather(torch.empty(3 * (2 + (r == 2))), torch.zeros(2 + (r == 2)))
+        return ra.ring_all_gather(torch.empty(3 * (2 + (r == 2)), device=device()),
+                                  torch.zeros(2 + (r == 2), device=device()))
     elif kind == "avg_int":
-        return ra.ring_all_reduce(torch.zeros(3, dtype=torch.int32), op=ra.AVG)
+        return ra.ring_all_reduce(torch.zeros(3, dtype=torch.int32, device=device()), op=ra.AVG)
     elif kind == "complex_everywhere":
-        return ra.ring_all_reduce(torch.zeros(3, dtype=torch.complex64))
+        return ra.ring_all_reduce(torch.zeros(3, dtype=torch.complex64, device=device()))
     else:
-        return ra.ring_reduce_scatter(torch.empty(2), torch.zeros(5))
+        return ra.ring_reduce_scatter(torch.empty(2, device=device()), torch.zeros(5, device=device()))
     return ra.ring_all_reduce(x)
 
 
@@ -314,7 +349,7 @@ def collectives_issued(on):
     for name, fn in saved[1].items():
         setattr(dist, name, lambda *a, _name=name, _fn=fn, **k: issued.append(_name) or _fn(*a, **k))
     try:
-        ra.ring_all_reduce(torch.ones(10))
+        ra.ring_all_reduce(torch.ones(10, device=device()))
     finally:
         debug.DEBUG = saved[0]
         for name, fn in saved[1].items():
@@ -341,7 +376,7 @@ def die_during_all_reduce(dead):
             os._exit(0)
         dist.isend = send_then_vanish
     with pipelined(2048, 2):  # 4000 B: two pieces at N = 2, so the peer still waits for the second one
-        ra.ring_all_reduce(torch.ones(1000))
+        ra.ring_all_reduce(torch.ones(1000, device=device()))
 
 
 @pytest.mark.parametrize("world, dead", [(3, 2), (4, 1), (2, 0)])

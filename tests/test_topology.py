@@ -1,5 +1,5 @@
-"""Topology-aware all-reduces against dist.all_reduce; their byte ledgers against their schedules; the
-alpha-beta model against its closed forms; the fit against synthetic timings; bad input on every rank."""
+"""Topology-aware all-reduces against dist.all_reduce; their byte ledgers against their schedules; every
+exchange one batch (NCCL-safe); the simulated slow link; bad input on every rank."""
 import math
 import time
 
@@ -9,6 +9,8 @@ import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
 from harness import RankFailure, device, rank_generator, run, subgroup
+from mini_dist import alpha_beta as ab
+from mini_dist import ring_pipelined as rp
 from mini_dist import topology as topo
 from mini_dist.kit import launch
 
@@ -20,10 +22,10 @@ INTS = [torch.int64, torch.int32, torch.int8]
 def draw(seed, shape, dtype, op):
     g = rank_generator(seed)
     if dtype.is_floating_point:  # products of values near 1 stay finite; sums see mixed magnitudes
-        x = 1 + 0.1 * torch.randn(shape, generator=g) if op == "product" else \
-            torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g))
+        x = (1 + 0.1 * torch.randn(shape, generator=g) if op == "product" else  # cpu: moved below
+             torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g)))  # cpu: moved below
     else:
-        x = torch.randint(-50, 50, shape, generator=g)
+        x = torch.randint(-50, 50, shape, generator=g)  # cpu: drawn on the CPU (the same on any device), moved below
     return x.to(dtype).to(device())
 
 
@@ -99,14 +101,14 @@ def strided_inputs(G):
         for fn in topo.ALGORITHMS.values():
             base = x.clone()
             fn(view(base), G, None)  # reduces the view in place; the rest of base stays as it was
-            out.append(base)
+            out.append(base.cpu())
     return out
 
 
 def test_non_contiguous_tensors_are_reduced_in_place_and_nothing_else_changes():
     for world, G in [(3, 3), (4, 2)]:
         for rank, results in enumerate(run(world, strided_inputs, G)):
-            x = torch.arange(60, dtype=torch.float64).view(6, 10)
+            x = torch.arange(60, dtype=torch.float64).view(6, 10)  # cpu: expected values, the results come back .cpu()
             total = world * (world + 1) / 2
             for i, view in enumerate((lambda t: t.t(), lambda t: t[:, ::3], lambda t: t.reshape(-1)[::7])):
                 want = x * (rank + 1)
@@ -128,76 +130,33 @@ def test_bytes_per_link_kind_equal_the_schedule_exactly(world, data, k):
     algorithm = data.draw(st.sampled_from(list(topo.ALGORITHMS)))
     numel = k * 2 * world * (1 << (world.bit_length() - 1))  # equal ring chunks and halving blocks
     sent = run(world, ledger, algorithm, numel, G)
-    want = topo.link_bytes(topo.schedule(algorithm, world, G), 4 * numel, G)
+    want = ab.link_bytes(ab.schedule(algorithm, world, G), 4 * numel, G)
     assert {kind: sum(s[kind] for s in sent) for kind in ("intra", "inter")} == want
 
 
-@pytest.mark.single_process
-@settings(max_examples=40)
-@given(n=st.integers(1, 6), G=st.integers(1, 6), D=st.integers(0, 10 ** 6).map(lambda d: d * 720))
-def test_schedules_send_the_bytes_of_the_closed_forms(n, G, D):
-    N = n * G
-    p = 1 << (N.bit_length() - 1)
-    r = N - p
-    ledger = lambda a: topo.link_bytes(topo.schedule(a, N, G), D * p, G)  # noqa: E731 (D*p: blocks divide)
-    total = lambda a: sum(ledger(a).values())  # noqa: E731
-    # ring: 2(N-1)/N * D per rank, all of it over a slow link on the n ranks at a node boundary (n > 1)
-    assert ledger("ring") == {"intra": (N - n * (n > 1)) * 2 * (N - 1) * D * p // N,
-                              "inter": n * (n > 1) * 2 * (N - 1) * D * p // N}
-    # hierarchical: the same 2(N-1)/N * D per rank, of which only 2(n-1)/n * D/G between nodes
-    assert ledger("hierarchical") == {"intra": N * 2 * (G - 1) * D * p // G, "inter": N * 2 * (n - 1) * D * p // N}
-    # halving-doubling sends the ring's bytes (p ranks) plus the fold; recursive doubling log2(p) * D each
-    fold = 2 * r * D * p
-    assert total("halving-doubling") == p * 2 * (p - 1) * D + fold
-    assert total("recursive doubling") == p * (p.bit_length() - 1) * D * p + fold
+def batches(algorithm, numel, G):
+    """Every batch_isend_irecv one all-reduce posts, as [(send?, group peer, bytes)], and the bytes the ledger
+    counted as sent: the two agree when every send went in a batch."""
+    seen, real = [], dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: seen.append([(op.op is dist.isend, op.group_peer, op.tensor.nbytes)
+                                                      for op in ops]) or real(ops)
+    rp.LEDGER.reset()
+    try:
+        topo.ALGORITHMS[algorithm](torch.ones(numel, device=device()), G, None)
+    finally:
+        dist.batch_isend_irecv = real
+    return seen, rp.LEDGER.sent
 
 
-@settings(max_examples=40)
-@given(N=st.integers(1, 9), alpha=st.floats(1e-7, 1e-3), beta=st.floats(1e-12, 1e-8),
-       D=st.floats(0, 1e9))
-@pytest.mark.single_process
-def test_on_uniform_links_the_model_is_steps_times_alpha_plus_bytes_times_beta(N, alpha, beta, D):
-    p = 1 << (N.bit_length() - 1)
-    r, log = N - p, p.bit_length() - 1
-    fold_steps, fold_bytes = (2, 2 * D) if r else (0, 0)
-    closed = {"ring": (2 * (N - 1), 2 * (N - 1) / N * D),
-              "recursive doubling": (log + fold_steps, log * D + fold_bytes),
-              "halving-doubling": (2 * log + fold_steps, 2 * (p - 1) / p * D + fold_bytes)}
-    for G in (g for g in range(1, N + 1) if N % g == 0):
-        n = N // G
-        closed["hierarchical"] = (2 * (G - 1) + 2 * (n - 1), 2 * (N - 1) / N * D)
-        for name, (steps, nbytes) in closed.items():
-            got = topo.predict(topo.schedule(name, N, G), D, G, {"intra": (alpha, beta), "inter": (alpha, beta)})
-            assert math.isclose(got, steps * alpha + nbytes * beta, rel_tol=1e-12, abs_tol=1e-300), name
-
-
-def test_the_slow_link_makes_only_the_inter_node_steps_slower_in_the_model():
-    # 4 ranks, 2 per node: recursive doubling has 1 step inside the node and 1 across; the ring 6 across
-    fast, slow = (1e-6, 1e-9), (1e-4, 1e-8)
-    links = {"intra": fast, "inter": slow}
-    assert math.isclose(topo.predict(topo.schedule("recursive doubling", 4, 2), 1000, 2, links),
-                        fast[0] + 1000 * fast[1] + slow[0] + 1000 * slow[1])
-    assert math.isclose(topo.predict(topo.schedule("ring", 4, 2), 1000, 2, links), 6 * (slow[0] + 250 * slow[1]))
-    # the crossover recursive doubling -> halving-doubling on uniform links: 2a + 2Db = 4a + 1.5Db, D = 4a/b
-    uniform = {"intra": fast, "inter": fast}
-    at = topo.crossover("recursive doubling", "halving-doubling", 1.0, 1e9, 4, 2, uniform)
-    assert math.isclose(at, 4 * fast[0] / fast[1], rel_tol=1e-9)
-
-
-@given(alpha=st.floats(1e-7, 1e-2), beta=st.floats(1e-12, 1e-7),
-       sizes=st.lists(st.integers(1, 1 << 26), min_size=2, max_size=8, unique=True))
-@pytest.mark.single_process
-def test_the_fit_recovers_alpha_and_beta_from_synthetic_timings(alpha, beta, sizes):
-    times = [alpha + s * beta for s in sizes]
-    got_alpha, got_beta = topo.fit_alpha_beta(sizes, times)
-    # The data are exact up to one rounding each (u = 2^-53 of the largest time y); the fit's centred sums
-    # add n roundings. A perturbation e_i of y_i moves beta by sum (x_i - mean) e_i / sum (x_i - mean)^2,
-    # and alpha = mean(y) - beta * mean(x) by that times mean(x) plus mean(e): 4nu y bounds every e_i.
-    n, u, mx = len(sizes), 2.0 ** -53, sum(sizes) / len(sizes)
-    e = 4 * n * u * max(times)
-    beta_bound = e * sum(abs(x - mx) for x in sizes) / sum((x - mx) ** 2 for x in sizes)
-    assert abs(got_beta - beta) <= beta_bound
-    assert abs(got_alpha - alpha) <= e + beta_bound * mx
+@pytest.mark.parametrize("algorithm", ["recursive doubling", "halving-doubling"])
+@pytest.mark.parametrize("world", [3, 4, 5])
+def test_every_exchange_of_the_doubling_algorithms_is_one_batch_with_one_partner(algorithm, world):
+    # NCCL runs a rank's unbatched sends and receives in order on one stream: a pair that both posted a
+    # receive (or a send) first would wait forever. Here each exchange is one batch_isend_irecv, with one peer
+    for seen, sent in run(world, batches, algorithm, 48, world):
+        assert sum(b for ops in seen for is_send, _, b in ops if is_send) == sent > 0  # every byte in a batch
+        assert all(len({peer for _, peer, _ in ops}) == 1 and len(ops) <= 2 for ops in seen)
+        assert all(sorted(is_send for is_send, _, _ in ops) in ([False, True], [True], [False]) for ops in seen)
 
 
 def slow_exchange(G, delay_s):
@@ -205,9 +164,9 @@ def slow_exchange(G, delay_s):
     buf = torch.zeros(1000, device=device())
     with topo.Links(G, delay_s=delay_s) as links:
         start = time.perf_counter()
-        (dist.isend(buf, dst=1) if me == 0 else dist.irecv(buf, src=0)).wait()
+        rp.send_recv(buf if me == 0 else None, 1, buf if me == 1 else None, 0, None, "test")
         elapsed = time.perf_counter() - start
-    return links.sent, elapsed, dist.isend.__module__
+    return links.sent, elapsed, rp.LEDGER.before_send
 
 
 @pytest.mark.parametrize("G, kind", [(1, "inter"), (2, "intra")])
@@ -216,7 +175,7 @@ def test_the_simulated_link_delays_only_sends_between_nodes_and_counts_their_byt
     assert results[0][0] == {"intra": 0, "inter": 0, kind: 4000} and results[1][0] == {"intra": 0, "inter": 0}
     if kind == "inter":
         assert results[0][1] >= 0.2  # the sender waited before the message left
-    assert {module for _, _, module in results} == {"torch.distributed.distributed_c10d"}  # restored
+    assert [hook for _, _, hook in results] == [None, None]  # the ledger's hook restored
 
 
 def refuse(what):
@@ -244,7 +203,7 @@ def mismatched_ranks_per_node():
 
 def test_ranks_that_disagree_on_ranks_per_node_are_named():
     with pytest.raises(RankFailure, match=r"rank 0 calls hierarchical_all_reduce shape \(4,\) dtype torch.float32 "
-                                          r"op RedOpType.SUM ranks_per_node 1.*rank 1 calls .* ranks_per_node 2"):
+                                          r"op SUM on \w+ ranks_per_node 1.*rank 1 calls .* ranks_per_node 2"):
         run(2, mismatched_ranks_per_node)
 
 

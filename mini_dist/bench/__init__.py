@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mini_dist.kit import launch
 from mini_dist.kit.timing import median, paired, quantile, timed  # noqa: F401  (the runner's)
 
 
@@ -40,10 +41,14 @@ class Result:
 
 def compare(name: str, ours, native, repeats: int, target: float | None, warmup: int = 1, note: str = "",
             group=None) -> Result:
-    """Time ours() against native() in turns: a Result with both medians and the median paired ratio."""
+    """Time ours() against native() in turns: a Result with both medians and the median paired ratio.
+    Rank 0 prints the row the moment it is measured: a whole run takes minutes."""
     t = paired({"ours": ours, "native": native}, repeats, warmup, group)
     ratio = median([a / b for a, b in zip(t["ours"], t["native"])])
-    return Result(name, median(t["ours"]), median(t["native"]), ratio, target, note, t)
+    result = Result(name, median(t["ours"]), median(t["native"]), ratio, target, note, t)
+    launch.print0(f"  {name}: mini_dist {fmt_seconds(result.ours)}, native {fmt_seconds(result.native)}, ratio "
+                  f"{ratio:.2f}x (median of {repeats} paired ratios){'' if result.ok else ' MISS'}")
+    return result
 
 
 def with_debug(fn, on: bool):
@@ -64,10 +69,13 @@ def fmt_seconds(s: float) -> str:
 
 
 def table(results: list[Result]) -> str:
-    rows = [("benchmark", "mini_dist", "native", "ratio", "target", "", "")]
+    """One row per benchmark: each side's median time per call, the ratio, its target. The ratio is the median
+    of the paired ratios ours/native, not the ratio of the two medians: "1.23 ms | 2.44 ms | 1.11x" is no error."""
+    rows = [("benchmark", "mini_dist (median)", "native (median)", "ours/native: median of pairs", "target", "", "")]
     rows += [(r.name, fmt_seconds(r.ours), fmt_seconds(r.native), f"{r.ratio:.2f}x",
               f"<= {r.target:g}x" if r.target is not None else "-", "ok" if r.ok else "MISS", r.note)
              for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(6)]
-    return "\n".join(" | ".join(c.ljust(w) for c, w in zip(row, widths)) + (f" | {row[6]}" if row[6] else "")
-                     for row in rows)
+    return "\n".join([" | ".join(c.ljust(w) for c, w in zip(row, widths)) + (f" | {row[6]}" if row[6] else "")
+                      for row in rows] + ["times: per call, slowest rank; ratio: the median over the pairs of "
+                                          "(our time / native time in the same pair), < 1 means ours is faster"])

@@ -32,8 +32,8 @@ and Pair::handleEvents. gloo's all-reduce posts the same sends from its worker t
 from 256 KiB to 4 MiB less often than the ring; at N >= 3 sends (left) and receives (right) use
 different pairs and locks. (batch_isend_irecv would not change this on gloo: the backend does not
 coalesce, so torch runs it as the same isend/irecv calls, one by one.) At N = 2 the all-reduce is one
-exchange of the whole tensor (ring_allreduce._exchange) with its receives posted first, 4 ahead: of the
-orders and depths measured, the one that stalled least.
+exchange of the whole tensor (ring_pipelined.fused_exchange) with its receives posted first, EXCHANGE_AHEAD
+of them: of the orders and depths measured, the one that stalled least.
 """
 import contextlib
 import time
@@ -42,8 +42,9 @@ import torch
 import torch.distributed as dist
 
 from mini_dist import bench
-from mini_dist.kit import debug, launch
 from mini_dist import ring_allreduce as ra
+from mini_dist import ring_pipelined
+from mini_dist.kit import debug, launch
 
 SIZES_KIB = [4, 64, 256, 1024, 4096, 16384]
 STALL_S = 2.5e-3  # a call that lost this much waited for a core: more than half a 4 ms scheduler tick
@@ -78,21 +79,25 @@ def cases(numel: int, n: int):
 
 
 def memcpy_bandwidth(nbytes: int = 16 << 20) -> float:
-    """Bytes per second one core copies (median of 21 copies of a buffer larger than the caches)."""
+    """Bytes per second the device copies (one core on the CPU; median of 21 copies of a buffer larger than
+    the caches; a GPU copy is waited for)."""
     a = torch.ones(nbytes // 4, device=launch.device())
-    b = torch.empty_like(a)
-    times = []
+    b, times = torch.empty_like(a), []
     for _ in range(21):
         start = time.perf_counter()
         b.copy_(a)
+        if a.is_cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return nbytes / bench.median(times)
 
 
 @contextlib.contextmanager
 def profiled(spent: dict):
-    """Time every isend/irecv call, every wait on what they return, and every reduce_into of the ring."""
-    originals = dist.isend, dist.irecv, ra.reduce_into
+    """Time every isend/irecv call, every wait on what they return, and every reduce_into of the ring.
+    (Under NCCL the ring posts batches, built from the real dist.isend: the batch call is timed instead.)"""
+    posts = ["batch_isend_irecv"] if dist.get_backend() == dist.Backend.NCCL else ["isend", "irecv"]
+    originals = {name: getattr(dist, name) for name in posts}, ring_pipelined.reduce_into
 
     class TimedWork:
         def __init__(self, work):
@@ -110,14 +115,19 @@ def profiled(spent: dict):
             start = time.perf_counter()
             result = fn(*args, **kwargs)
             spent[key] += time.perf_counter() - start
-            return TimedWork(result) if wrap else result
+            if not wrap:
+                return result
+            return [TimedWork(w) for w in result] if isinstance(result, list) else TimedWork(result)
         return call
-    dist.isend, dist.irecv = timed(dist.isend, "posting", True), timed(dist.irecv, "posting", True)
-    ra.reduce_into = timed(ra.reduce_into, "reducing")
+    for name, fn in originals[0].items():
+        setattr(dist, name, timed(fn, "posting", True))
+    ring_pipelined.reduce_into = timed(ring_pipelined.reduce_into, "reducing")
     try:
         yield spent
     finally:
-        dist.isend, dist.irecv, ra.reduce_into = originals
+        for name, fn in originals[0].items():
+            setattr(dist, name, fn)
+        ring_pipelined.reduce_into = originals[1]
 
 
 def profile_row(numel: int) -> list[float]:
@@ -132,8 +142,9 @@ def profile_row(numel: int) -> list[float]:
             start = time.perf_counter()
             ra.ring_all_reduce(x)
             total = time.perf_counter() - start
-        mine = torch.tensor([total, spent["posting"], spent["waiting"], spent["reducing"]], dtype=torch.float64)
-        everyone = torch.empty(n * 4, dtype=torch.float64)
+        mine = torch.tensor([total, spent["posting"], spent["waiting"], spent["reducing"]], dtype=torch.float64,
+                            device=launch.device())
+        everyone = torch.empty(n * 4, dtype=torch.float64, device=launch.device())
         dist.all_gather_single(everyone, mine)
         gloo.append(bench.timed(lambda: dist.all_reduce(x)))
         if i:  # the first call allocates; drop it
@@ -180,7 +191,8 @@ def run_collectives(args) -> list[bench.Result]:
             results.append(r)
     results += debug_cost(n)
 
-    copy = torch.tensor([memcpy_bandwidth() if dist.get_rank() == 0 else 0.0], dtype=torch.float64)
+    copy = torch.tensor([memcpy_bandwidth() if dist.get_rank() == 0 else 0.0], dtype=torch.float64,
+                        device=launch.device())
     dist.broadcast(copy, 0)
     launch.print0(f"memory-copy bandwidth, one core: {copy.item() / 1e9:.1f} GB/s; the best bus bandwidth above: "
                   f"ring {max(v[0] for v in busbw.values()):.2f}, gloo {max(v[1] for v in busbw.values()):.2f} GB/s "
