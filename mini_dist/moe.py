@@ -63,16 +63,6 @@ def route(logits, k: int, capacity_factor=None) -> Routing:
     return Routing(expert, weight, keep, E * (f * P).sum())
 
 
-def check_config(num_experts: int, k: int, capacity_factor, parts: int) -> None:
-    if not 1 <= k <= num_experts:
-        raise ValueError(f"k={k} experts per token must be between 1 and the number of experts "
-                         f"E={num_experts}: each token picks k different experts")
-    if capacity_factor is not None and capacity_factor <= 0:
-        raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (or None for no capacity)")
-    comm.check_divisible("num_experts", num_experts, parts,
-                         "pick E a multiple of the expert-parallel size (each rank holds E/W whole experts)")
-
-
 class Experts(nn.Module):
     """`num` small MLPs stacked along dim 0 (tagged ep_dim = 0): expert i is
     gelu(x @ w1[i] + b1[i]) @ w2[i] + b2[i]. Stacking keeps the names of a shard and of the whole equal."""
@@ -124,6 +114,18 @@ class MoE(nn.Module):
             t, j = (r.keep & (r.expert == e)).nonzero(as_tuple=True)        # expert e's kept choices
             y = y.index_add(0, t, r.weight[t, j, None] * self.experts.mlp(e, tokens[t]))
         return y.view_as(x)
+
+
+# ----- the guard, and tokens that lean one way (for the demos) -----
+
+def check_config(num_experts: int, k: int, capacity_factor, parts: int) -> None:
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k={k} experts per token must be between 1 and the number of experts "
+                         f"E={num_experts}: each token picks k different experts")
+    if capacity_factor is not None and capacity_factor <= 0:
+        raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (or None for no capacity)")
+    comm.check_divisible("num_experts", num_experts, parts,
+                         "pick E a multiple of the expert-parallel size (each rank holds E/W whole experts)")
 
 
 def skewed_tokens(n, h, seed, rank=0, step=0, skew=2.0):
