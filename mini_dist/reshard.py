@@ -50,6 +50,7 @@ from mini_dist.tensor_parallel import Layout, layouts
 def flat_boxes(shape, a: int, b: int) -> list:
     """Elements [a, b) of a row-major tensor as boxes (offsets, lengths), in order, each contiguous:
     a partial first row, whole rows, a partial last row, each partial row cut the same way one dim down."""
+    # exercise: the boxes of [a, b): recurse one dim down for a partial first and last row, whole rows between
     if a >= b:
         return []
     if not shape:
@@ -61,6 +62,7 @@ def flat_boxes(shape, a: int, b: int) -> list:
     head = [((i - 1, *o), (1, *l)) for o, l in flat_boxes(shape[1:], a - (i - 1) * n, n)]
     body = [((i, *[0] * (len(shape) - 1)), (j - i, *shape[1:]))] if j > i else []
     return head + body + [((j, *o), (1, *l)) for o, l in flat_boxes(shape[1:], 0, b - j * n)]
+    # end exercise
 
 
 def flat_shard(data: torch.Tensor, shape, start: int) -> Sharded:
@@ -76,10 +78,12 @@ def flat_shard(data: torch.Tensor, shape, start: int) -> Sharded:
 def dim_shard(local: torch.Tensor, dim: int, index: int, count: int, parts: int = 1) -> Sharded:
     """Slice `index` of `count` equal slices along `dim` (a tensor-parallel weight); with `parts`, a stacked
     [W_q; W_k; W_v] cut part by part, the rank holding slice `index` of each part."""
+    # exercise: the global shape, and one box per part: part j's slice `index` starts at row (j*count + index)*m
     m, shape = local.shape[dim] // parts, list(local.shape)
     shape[dim] *= count
     at = lambda j: tuple((j * count + index) * m if d == dim else 0 for d in range(local.dim()))  # noqa: E731
     return Sharded(tuple(shape), local.dtype, tuple((at(j), local.narrow(dim, j * m, m)) for j in range(parts)))
+    # end exercise
 
 
 def module_layout(module, group=None) -> dict:

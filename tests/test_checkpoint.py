@@ -20,9 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import BACKEND, RankFailure, device, run
-from mini_dist import checkpoint, recovery
+from mini_dist import checkpoint, recovery, reshard
 from mini_dist.checkpoint import CheckpointError, Sharded, overlap
-from mini_dist.reshard import flat_shard
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64,
           "bool": torch.bool}
@@ -43,7 +42,7 @@ def cut(t: torch.Tensor, layout: str, rank: int, world: int):
         return t.clone()
     if layout == "flat":
         lo, hi = t.numel() * rank // world, t.numel() * (rank + 1) // world
-        return flat_shard(t.reshape(-1)[lo:hi].clone(), t.shape, lo)
+        return reshard.flat_shard(t.reshape(-1)[lo:hi].clone(), t.shape, lo)
     dim = 0 if layout == "rows" else t.dim() - 1
     lo, hi = t.shape[dim] * rank // world, t.shape[dim] * (rank + 1) // world
     offsets = tuple(lo if d == dim else 0 for d in range(t.dim()))
@@ -377,7 +376,6 @@ def batch(t: int):
 def trainer(kind: str, stage: int):
     """(train steps [a, b), the checkpoint state, load from a path) of one fp64 MLP of N = 50 parameters,
     sharded with a ZeroOptimizer of `stage` or with FSDP, Adam either way."""
-    from mini_dist import reshard
     from mini_dist.fsdp import FullyShardedDataParallel
     from mini_dist.zero import ZeroOptimizer
     torch.manual_seed(0)
@@ -511,7 +509,6 @@ def adam_step_on_itself(model):
 def save_layer_kinds(path, seed):
     """At T = this world size: each layer's shards cut from one dense model by tensor_parallel's own
     shard_from_dense (not by reshard), stepped once, saved through reshard's layouts."""
-    from mini_dist import reshard
     from mini_dist import tensor_parallel as tp
     parallel = tp.shard_from_dense(layer_kinds(dist.get_world_size(), 1, False), layer_kinds(1, seed, True))
     adam = adam_step_on_itself(parallel)
@@ -522,7 +519,6 @@ def load_layer_kinds(path, seed):
     """At T' = this world size, into a model built from another seed: every parameter and Adam state
     tensor, put together by tensor_parallel's gather_to_dense, beside the dense model stepped the same way.
     Returns the first (name, element) where they differ, or None."""
-    from mini_dist import reshard
     from mini_dist import tensor_parallel as tp
     dense = layer_kinds(1, seed, True)
     dense_adam = adam_step_on_itself(dense)
@@ -543,6 +539,7 @@ def load_layer_kinds(path, seed):
     return None
 
 
+@pytest.mark.exercise
 @pytest.mark.parametrize("world, world_after", [(4, 3), (3, 2), (2, 3)])
 def test_every_tensor_parallel_layer_kind_saved_at_t_loads_at_t_prime_to_the_dense_models_bits(world, world_after):
     """T' does not divide T: a rank at T' takes parts of two saved ranks' slices, and attention's q, k and
