@@ -240,10 +240,11 @@ def logged(method, op: str, chunk: int, log: list):
 def torch_ran(name: str, n_microbatches: int, n_chunks: int = 1, group=None) -> list[tuple]:
     """What one step of torch's schedule `name` computes on this rank, in order. (Not its pipeline_order, a
     plan for printing, whose Schedule1F1B starts the last stage at F1.)"""
-    P, r, log, x = dist.get_world_size(group), dist.get_rank(group), [], torch.randn(n_microbatches, 2)
+    P, r, log = dist.get_world_size(group), dist.get_rank(group), []
+    x = torch.randn(n_microbatches, 2, device=launch.device())
     chunks = [nn.Linear(2, 2).to(launch.device()) for _ in range(n_chunks)]
     schedule = torch_schedule(chunks, name, n_microbatches, nn.MSELoss(), group, log)
-    schedule.step(*[x.to(launch.device())] * (r == 0), **({"target": x.to(launch.device())} if r == P - 1 else {}))
+    schedule.step(*[x] * (r == 0), **({"target": x} if r == P - 1 else {}))
     return log
 
 
