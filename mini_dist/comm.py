@@ -264,7 +264,7 @@ def demo(args) -> int:
     b, s, h = args.batch, args.seq * T, args.hidden * T
     launch.print0(f"each operator against its one-process meaning (autograd on everyone's tensors), {T} ranks, "
                   f"full tensor [b, s, h] = [{b}, {s}, {h}]:\n  {'operator':<21}{'input':>10} -> {'output':<11}"
-                  f"{'max diff':>9}  payload (formula)")
+                  f"{'max diff':>9}  payload on this rank, B (formula)")
     worst, sizes_ok, D = 0.0, True, b * s * h * 8
     # what COUNTER records, forward + backward: D for each all-reduce, all-gather and reduce-scatter (the
     # whole tensor); (T-1)/T of the rank's slice for each all-to-all (what leaves the rank)

@@ -14,8 +14,8 @@ and receive (N-1) * D bytes, growing with N (Patarasuk & Yuan 2009; Baidu's ring
 Which rank starts which chunk is not arbitrary here: we send to the LEFT neighbour (r -> r-1) and give
 rank c chunk c, the layout gloo uses (chunk_bounds), so chunk c is summed in the order x[c-1] + x[c-2] +
 ... + x[c]. Floating-point addition is not associative; with the same order our result equals gloo's bit
-for bit. The textbook ring comes first; ring_all_reduce runs the same steps as one pipelined stream on
-gloo (mini_dist/ring_pipelined.py says what that buys) and the textbook's batched steps under NCCL.
+for bit. The naive way and the textbook ring come first; ring_all_reduce runs the same steps as one pipelined
+stream on gloo (mini_dist/ring_pipelined.py says what that buys) and the textbook's batched steps under NCCL.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/ring_allreduce.py [--numel 1048579]
 

@@ -69,3 +69,11 @@ def test_a_stalled_call_is_one_that_lost_stall_s_or_more_against_the_10th_percen
     assert share == sum(t > q10 + collectives.STALL_S for t in samples) / len(samples)
     if round(0.1 * (len(samples) - 1)) < len(fast):  # the 10th percentile is a fast call: the slow ones count
         assert share == len(slow) / len(samples)
+
+
+@pytest.mark.single_process
+def test_the_table_says_its_ratio_is_the_median_of_paired_ratios_and_its_times_units():
+    r = bench.Result("x", 1.23e-3, 2.44e-3, 1.11, 1.2)  # 1.23 ms | 2.44 ms | 1.11x: no error, a median of pairs
+    text = bench.table([r])
+    assert "1.23 ms" in text and "2.44 ms" in text and "1.11x" in text and "<= 1.2x" in text
+    assert "median of pairs" in text.splitlines()[0] and "our time / native time in the same pair" in text
