@@ -186,7 +186,7 @@ def run_collectives(args) -> list[bench.Result]:
         for name, ours, native, per_d in cases(nbytes // 4, n):
             r = bench.compare(f"ring {name} {size_name(kib)}", ours, native, REPEATS, target(nbytes))
             gbps = lambda t: per_d * nbytes / t / 1e9  # noqa: E731
-            r.note = f"busbw ring {gbps(r.ours):.2f} / gloo {gbps(r.native):.2f} GB/s"
+            r.note = f"busbw ring {gbps(r.ours) * 1e3:,.1f} / gloo {gbps(r.native) * 1e3:,.1f} MB/s"
             busbw[(name, kib)] = (gbps(r.ours), gbps(r.native))
             results.append(r)
     results += debug_cost(n)
