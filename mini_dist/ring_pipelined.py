@@ -250,8 +250,8 @@ def demo(args) -> int:
     for label, t in times.items():
         launch.print0(f"  {label:<44}{t * 1e3:>9.2f}")
     if times[ours] >= times[plain]:
-        launch.print0(f"pipelining bought nothing in this run: it overlaps sending, receiving and adding, which "
-                      f"needs idle cores, and here {n} ranks share {os.cpu_count()} (one run's clock is noisy, too)")
+        launch.print0(f"pipelining bought nothing in this run: {n} ranks share {os.cpu_count()} cores here and one "
+                      f"run's wall clock is noisy; `./run.sh bench {n} collectives` times it in 101 pairs per size")
     return launch.conclude("ring_pipelined", same, "both shapes = dist.all_reduce exactly (integer data)", True,
                            f"pipelined {times[ours] * 1e3:.2f} ms vs one message per step {times[plain] * 1e3:.2f} ms")
 
