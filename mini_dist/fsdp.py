@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 if not __package__:  # run as `torchrun mini_dist/fsdp.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import flat_param
-from mini_dist.kit import launch, models, timing
+from mini_dist.kit import debug, launch, models, timing
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -155,9 +155,9 @@ class FullyShardedDataParallel(nn.Module):
         """A rank that died or timed out surfaces here, often inside loss.backward(): say where we were."""
         try:
             return run()
-        except RuntimeError as e:
-            raise RuntimeError(f"FSDP unit {unit.name!r}: {what} failed on rank {dist.get_rank()}: {e} "
-                               f"(the first rank to fail says why in its own log)") from e
+        except RuntimeError as e:  # a rank that left quietly is named: torchrun would blame the first to fail
+            cause = debug.lost_rank(self.group) or f"{e} (the first rank to fail says why in its own log)"
+            raise RuntimeError(f"FSDP unit {unit.name!r}: {what} failed on rank {dist.get_rank()}: {cause}") from e
 
     def _record(self, phase: str, unit, what: str, piece: torch.Tensor | None = None) -> None:
         sent = 0 if piece is None else (self.world - 1) * piece.nbytes  # a ring sends K-1 pieces of a shard

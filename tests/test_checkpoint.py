@@ -637,3 +637,19 @@ def test_a_rank_killed_mid_training_and_restarted_by_torchrun_ends_with_the_unin
             assert start == 6 and same_parameters and same_losses
     finally:
         shutil.rmtree(directory)
+
+
+def test_a_rank_that_leaves_fsdp_training_with_status_0_is_named_by_the_rank_left_waiting_for_it():
+    """torchrun names the first rank to fail, here rank 0, a victim: rank 1 left before step 3 with
+    sys.exit(0). Rank 0's error must name rank 1, from the word rank 1 left in the store (launch.leave)."""
+    if BACKEND == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs for 2 NCCL ranks; {torch.cuda.device_count()} present")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "leave_mid_fsdp.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    job = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", script, "--leave-at", "3", "--rank", "1"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**env, "OMP_NUM_THREADS": "1", "MINI_DIST_TIMEOUT": "20"})
+    named = [line for line in job.stderr.splitlines() if line.startswith("[rank0]: RuntimeError: FSDP unit")]
+    assert job.returncode != 0 and named, job.stderr[-3000:]
+    assert "failed on rank 0: lost rank 1 (it left the group" in named[0], named[0]

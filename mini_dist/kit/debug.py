@@ -28,6 +28,7 @@ import contextlib
 import datetime
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,23 @@ def wait_for(work, peer: int, what: str) -> None:
     except RuntimeError as e:  # gloo: "Connection reset by peer" or a timeout; NCCL: its own report
         raise PeerLost(f"{what}: lost rank {peer} ({str(e).splitlines()[0]}); look for the first error in "
                        f"rank {peer}'s log: it died, was killed, or stopped answering") from e
+
+
+def lost_rank(group=None, wait_s: float = 1.0) -> str:
+    """'lost rank r (...)' for the ranks of `group` that left it while it ran (launch.leave wrote their word in
+    the store), waiting up to wait_s for a word still on its way; '' if none did, or the store went too."""
+    store, deadline = dist.distributed_c10d._get_default_store(), time.monotonic() + wait_s
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    while True:
+        try:
+            left = [r for r in ranks if store.check([f"{launch.LEFT}{r}"])]
+        except (RuntimeError, ValueError):
+            return ""
+        if left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return "; ".join(f"lost rank {r} (it left the group while this rank waited for it: returned or exited, "
+                     f"maybe with status 0, without a word; its log says why)" for r in left)
 
 
 # ----- demo: the silent sum, then the same mistake named; a rank that never arrives, named -----

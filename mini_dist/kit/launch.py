@@ -22,6 +22,7 @@ Demo (each rank says who it is, then one all-reduce of the ranks proves the grou
     torchrun --standalone --nproc_per_node=4 mini_dist/launch.py
 """
 import argparse
+import atexit
 import datetime
 import os
 import sys
@@ -86,11 +87,25 @@ def main(parser: argparse.ArgumentParser, demo, argv=None) -> int:
         code = 2
     except SystemExit as e:  # argparse: --help (0) or a bad flag (2), printed by rank 0
         code = e.code
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave()
     if code and env_rank() != 0 and env_world_size() > 1:
         time.sleep(1.0)  # torchrun stops every rank once one exits: let rank 0 speak first
     return code
+
+
+LEFT = "mini_dist/left/"  # + rank: the store key of a rank that left its group while the group ran
+
+
+def leave() -> None:
+    """Leave the group without shutdown() (a demo that returned early, sys.exit, an uncaught error): say so
+    in the group's store first, so that the ranks left waiting in a collective name this rank
+    (debug.lost_rank) rather than fail as if they were the cause, which is what torchrun would report."""
+    if dist.is_initialized():
+        try:
+            dist.distributed_c10d._get_default_store().set(f"{LEFT}{dist.get_rank()}", "left")
+        except (RuntimeError, ValueError):  # the store's host left already: the raw error is all there is
+            pass
+        dist.destroy_process_group()
 
 
 def trace(message: str) -> None:
@@ -137,6 +152,7 @@ def setup(backend: str | None = None, seed: int = 0) -> Env:
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout(),
                                 device_id=device if backend == "nccl" else None)
+        atexit.register(leave)  # an exit outside main(): a script's sys.exit, an uncaught error
     torch.manual_seed(seed)
     return Env(rank, world, local_rank, backend, device)
 
