@@ -25,6 +25,7 @@ shared machine is shown, never judged.
 """
 import math
 import sys
+import textwrap
 import time
 from collections import defaultdict, deque
 from pathlib import Path
@@ -240,7 +241,7 @@ def demo(args) -> int:
                                    ("1f1b", "interleaved", "zero_bubble"), (P, M, args.chunks))):
         if set(needs) <= set(plans):
             figure, holds = question(*sizes)
-            launch.print0(f"{question.__name__}: {figure}")
+            launch.print0(textwrap.fill(f"{question.__name__}: {figure}", 100, subsequent_indent="    "))
             figure_ok &= holds
     # fp64 rounding differences are ~1e-16; a lost microbatch or a wrong 1/M would be >= 1e-3
     return launch.conclude("pipeline_bubble", worst < 1e-12, f"{len(plans)} schedules = torch = full batch (fp64, "
