@@ -219,11 +219,12 @@ def write_example(path: str) -> None:
                                                            "crc32": zlib.crc32(raw)}]}))
 
 
-EDITS = {  # what the issue measured, each a raw error or an outside read before the checks
-    "a file outside": ("pieces", "file", "../../etc/passwd"), "nbytes negative": ("pieces", "nbytes", -24),
-    "nbytes 10^13": ("pieces", "nbytes", 10 ** 13), "offsets a string": ("pieces", "offsets", "0, 0"),
-    "a literal nested 10^5 deep": ("objects", "step", "[" * 100_000 + "]" * 100_000),
-    "an unknown dtype": ("tensors", "w", [[2, 3], "float128"]), "version 2": (None, "version", 2)}
+def edits(nbytes: int, nested: int) -> dict:
+    """What the issue measured, each a raw error, an allocation or an outside read before the checks."""
+    return {"a file outside": ("pieces", "file", "../../etc/passwd"), "nbytes negative": ("pieces", "nbytes", -24),
+            f"nbytes {nbytes:.0e}": ("pieces", "nbytes", nbytes), "offsets a string": ("pieces", "offsets", "0, 0"),
+            f"a literal nested {nested:.0e} deep": ("objects", "step", "[" * nested + "]" * nested),
+            "an unknown dtype": ("tensors", "w", [[2, 3], "float128"]), "version 2": (None, "version", 2)}
 
 
 def edit(path: str, where, key, value) -> None:
@@ -235,9 +236,17 @@ def edit(path: str, where, key, value) -> None:
     Path(path, MANIFEST).write_text(json.dumps(manifest))
 
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--nbytes", type=int, default=10 ** 13, help="the bytes an edited piece asks for")
+    p.add_argument("--nested", type=int, default=100_000, help="how deep an edited literal nests")
+    return p
+
+
 def demo(args) -> int:
+    launch.require(args.nested >= 1, "--nested must be at least 1")
     launch.setup()
-    refused = 0
+    refused, EDITS = 0, edits(args.nbytes, args.nested)
     with tempfile.TemporaryDirectory(prefix="mini_dist_manifest_") as path:
         write_example(path)
         ok = read_manifest(path)["values"] == {"step": 7}
@@ -256,4 +265,4 @@ def demo(args) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(launch.main(launch.demo_parser(__doc__), demo))
+    raise SystemExit(launch.main(parser(), demo))
