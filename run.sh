@@ -54,6 +54,7 @@ TOUR=(
   "train_5d 8 --dp 2 --pp 2 --tp 2"
   "train_5d 8 --dp 2 --pp 2 --cp 2 --moe 4 --ep 2"
   "cost_model 1"
+  "gpt_ledger 1"
   "planner 1"
 )
 

@@ -63,6 +63,35 @@ class RankGrid:
     tp: int = 1
     ep: int = 1
 
+    def rank(self, dp: int, pp: int, cp: int, tp: int) -> int:
+        """The rank at these coordinates: tp innermost, then cp, pp, and dp outermost."""
+        # exercise: the rank of coordinates (dp, pp, cp, tp), tp varying fastest and dp slowest
+        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
+        # end exercise
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The inverse of rank(), and the rank's place in expert parallelism: f = dp * cp + cp_index in the
+        data x context product, ep_index = f % ep (which experts), ep_replica = f // ep (which copy of them)."""
+        # exercise: peel tp, cp, pp, dp off the rank (divide and take remainders), then f, ep_index, ep_replica
+        tp, cp, pp, dp = rank % self.tp, rank // self.tp % self.cp, rank // (self.tp * self.cp) % self.pp, \
+            rank // (self.tp * self.cp * self.pp)
+        f = dp * self.cp + cp  # place in the data x context product
+        return {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "ep_index": f % self.ep, "ep_replica": f // self.ep}
+        # end exercise
+
+    def groups(self, name: str) -> list[list[int]]:
+        """All groups of one kind (an axis, dp_cp, ep or edp): the ranks that share SHARED[name]."""
+        # exercise: bucket every rank by the coordinates SHARED[name] it shares with the others of its group
+        found = {}
+        for r in range(self.size):
+            found.setdefault(tuple(self.coords(r)[c] for c in SHARED[name]), []).append(r)
+        return list(found.values())
+        # end exercise
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
     def __post_init__(self):
         for axis in AXES + ("ep",):
             if getattr(self, axis) < 1:
@@ -70,26 +99,6 @@ class RankGrid:
         if (self.dp * self.cp) % self.ep:
             raise ValueError(f"--ep {self.ep} must divide dp x cp = {self.dp} x {self.cp} = {self.dp * self.cp}: "
                              f"expert parallelism reuses the ranks of the data x context product")
-
-    @property
-    def size(self) -> int:
-        return self.dp * self.pp * self.cp * self.tp
-
-    def rank(self, dp: int, pp: int, cp: int, tp: int) -> int:
-        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
-
-    def coords(self, rank: int) -> dict[str, int]:
-        tp, cp, pp, dp = rank % self.tp, rank // self.tp % self.cp, rank // (self.tp * self.cp) % self.pp, \
-            rank // (self.tp * self.cp * self.pp)
-        f = dp * self.cp + cp  # place in the data x context product
-        return {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "ep_index": f % self.ep, "ep_replica": f // self.ep}
-
-    def groups(self, name: str) -> list[list[int]]:
-        """All groups of one kind (an axis, dp_cp, ep or edp): the ranks that share SHARED[name]."""
-        found = {}
-        for r in range(self.size):
-            found.setdefault(tuple(self.coords(r)[c] for c in SHARED[name]), []).append(r)
-        return list(found.values())
 
     def picture(self) -> str:
         """One block per data-parallel replica: pipeline stages as rows, cp groups of tp ranks in a row."""
@@ -105,6 +114,28 @@ class RankGrid:
             lines.append("EP groups (each holds all experts between them): " +
                          " ".join(str(g) for g in self.groups("ep")[:4]) + " ..." * (len(self.groups("ep")) > 4))
         return "\n".join(lines)
+
+
+class Mesh:
+    """The process groups of this rank along each axis and for dp_cp, ep and edp, from a RankGrid."""
+
+    def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1):
+        self.grid = RankGrid(dp, pp, cp, tp, ep)
+        world = dist.get_world_size()
+        if self.grid.size != world:
+            raise ValueError(f"dp x pp x cp x tp = {dp} x {pp} x {cp} x {tp} = {self.grid.size} ranks, but the "
+                             f"world has {world}; choose degrees whose product is {world}")
+        me = dist.get_rank()
+        self.coords = self.grid.coords(me)
+        self.ranks, self.group = {}, {}
+        for name in GROUPS:
+            for ranks in self.grid.groups(name):  # every rank creates every group, in the same order
+                group = launch.new_group(ranks)
+                if me in ranks:
+                    self.ranks[name], self.group[name] = ranks, group
+        self.dp_group, self.pp_group, self.cp_group, self.tp_group = (self.group[a] for a in AXES)
+        self.dp_cp_group, self.ep_group, self.edp_group = (self.group[a] for a in ("dp_cp", "ep", "edp"))
+        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (self.coords[a] for a in AXES)
 
 
 def grid_for(world: int, dp: int | None = None, pp: int | None = None, cp: int | None = None,
@@ -133,28 +164,6 @@ def grid_for(world: int, dp: int | None = None, pp: int | None = None, cp: int |
     launch.require(product % ep == 0, f"--ep {ep} must divide dp x cp = {degrees['dp']} x {degrees['cp']} = "
                                       f"{product}: expert parallelism reuses the ranks of the data x context product")
     return RankGrid(**degrees, ep=ep)
-
-
-class Mesh:
-    """The process groups of this rank along each axis and for dp_cp, ep and edp, from a RankGrid."""
-
-    def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1):
-        self.grid = RankGrid(dp, pp, cp, tp, ep)
-        world = dist.get_world_size()
-        if self.grid.size != world:
-            raise ValueError(f"dp x pp x cp x tp = {dp} x {pp} x {cp} x {tp} = {self.grid.size} ranks, but the "
-                             f"world has {world}; choose degrees whose product is {world}")
-        me = dist.get_rank()
-        self.coords = self.grid.coords(me)
-        self.ranks, self.group = {}, {}
-        for name in GROUPS:
-            for ranks in self.grid.groups(name):  # every rank creates every group, in the same order
-                group = launch.new_group(ranks)
-                if me in ranks:
-                    self.ranks[name], self.group[name] = ranks, group
-        self.dp_group, self.pp_group, self.cp_group, self.tp_group = (self.group[a] for a in AXES)
-        self.dp_cp_group, self.ep_group, self.edp_group = (self.group[a] for a in ("dp_cp", "ep", "edp"))
-        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (self.coords[a] for a in AXES)
 
 
 def device_mesh_groups(grid: RankGrid, device_type: str) -> dict[str, list[int]]:

@@ -2,30 +2,19 @@
 
 Token + position embedding, L pre-norm blocks x + attn(ln1(x)) + ffn(ln2(x)), a final layer norm and an LM
 head, on a character corpus shipped here. The dense model is PyTorch's own layers (nn.MultiheadAttention, an
-MLP or a mixture of experts in one process); the parallel one is mini_dist's, with the same parameter names,
-so it starts as an exact shard of the dense one. Each axis cuts one thing, over its group of the mesh
-(mini_dist/mesh.py):
+MLP or a mixture of experts); the parallel one is mini_dist's, with the same parameter names, so it starts as
+an exact shard of the dense one. Each axis cuts one thing, over its group of the mesh (mini_dist/mesh.py):
 
     TP  (tensor_parallel, vocab_parallel)   every weight matrix: heads, MLP columns/rows, vocabulary rows
     CP  (context_parallel)                  the sequence: s/C tokens per rank (zigzag), ring attention
     EP  (expert_parallel)                   the experts: E/ep per rank, their tokens moved by all-to-all
 
-What one rank moves for one forward + backward of b sequences of s/C tokens, e bytes an element; n_T = 4
-all-reduces per block with an MLP, 2 with experts (not cut by TP: every TP rank routes the same tokens):
+Per block and microbatch of b(s/C) tokens, a rank sends 4 TP all-reduces of b(s/C)h elements (2 with experts,
+which TP does not cut), 6(C-1) CP hops of b(s/C)h/T (K, V forward, dK, dV back) and its routed rows twice
+(mini_dist/gpt_ledger.py: every byte sent and held, exactly). Experts route with no capacity limit and no
+auxiliary loss: both depend on which tokens are routed together, so the run would no longer equal one process.
 
-    TP  payload  [n_T*L + embedding + head] * b*(s/C)*h*e  +  3*b*(s/C)*e        (loss: a max, two sums)
-    CP  sent     6*(C-1) * b*(s/C)*(h/T)*e per block   (K, V: C-1 hops forward; again with dK, dV backward)
-    EP  sent     2 * (rows sent to other ranks + rows they sent me) * h*e, summed over the MoE blocks
-
---checkpoint (activation_checkpoint.checkpoint_module on each block) keeps a block's input only and reruns
-its forward in backward, collectives included: n_T -> 1.5*n_T, 6 -> 8 CP hops, 2 -> 3 all-to-all trips.
-
-Experts route with no capacity limit and train without the auxiliary load-balancing loss: both depend on
-which tokens are routed together (each rank's tokens are one GShard group: expert_parallel.py), so a run
-would no longer equal one process on the whole batch; without them each token's routing is its own.
-
-Demo (one forward + backward against the dense model; bytes per axis beside the formulas, memory per rank
-beside the planner's, mini_dist/cost_model.py):
+Demo (one forward + backward against the dense model; bytes per axis and memory per rank beside the ledger):
 
     torchrun --standalone --nproc_per_node=4 mini_dist/parallel_gpt.py --cp 2 --tp 2 --moe 4 --ep 2
 
@@ -42,12 +31,12 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import cost_model, expert_parallel, tensor_parallel
-from mini_dist.kit import launch
+from mini_dist import cost_model, expert_parallel, gpt_ledger, tp_layout
 from mini_dist.activation_checkpoint import checkpoint_module
 from mini_dist.comm import COUNTER, all_reduce
 from mini_dist.context_parallel import ring_attention
 from mini_dist.expert_parallel import MoE, ExpertParallelMoE
+from mini_dist.kit import launch
 from mini_dist.kit.measure import PeakSaved, side_by_side
 from mini_dist.mesh import Mesh, grid_for
 from mini_dist.parallel_transformer import ParallelAttention, ParallelTransformerBlock, TransformerBlock
@@ -55,18 +44,15 @@ from mini_dist.sequence_layout import split_sequence
 from mini_dist.tensor_parallel import ColumnParallelLinear, check_input, column_parallel_linear
 from mini_dist.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-CORPUS = (
-    "a pipeline cuts the layers into stages and the batch into microbatches. tensor parallelism cuts every "
-    "weight matrix, so the ranks of one layer talk twice forward and twice backward. data parallelism copies "
-    "the model and averages the gradients once per step. put the chatty axis inside the node, the pipeline "
-    "across nodes, and data parallelism everywhere; then check that the loss is the loss of one process. "
-)
+CORPUS = ("a pipeline cuts the layers into stages and the batch into microbatches. tensor parallelism cuts every "
+          "weight matrix, so the ranks of one layer talk twice forward and twice backward. data parallelism copies "
+          "the model and averages the gradients once per step. put the chatty axis inside the node, the pipeline "
+          "across nodes, and data parallelism everywhere; then check that the loss is the loss of one process. ")
 CHARS = sorted(set(CORPUS))
 
 
 def padded_vocab(tp: int) -> int:
-    """The vocabulary rounded up to a multiple of tp: each rank owns V/tp rows (the extra rows are never a
-    target; Megatron pads to a multiple of 128*tp for fast matmuls)."""
+    """The vocabulary rounded up to a multiple of tp, V/tp rows a rank (the extra rows are never a target)."""
     return -(-len(CHARS) // tp) * tp
 
 
@@ -85,27 +71,33 @@ class Config:
     seed: int = 0
     dtype: torch.dtype = torch.float64
 
-    def model(self) -> cost_model.Model:
-        """The cost model's view of this GPT (mini_dist/cost_model.py predicts its bytes and memory)."""
-        return cost_model.Model(0, self.layers, self.hidden, self.heads, self.seq, self.vocab, self.experts,
-                                self.top_k)
 
-
-def get_batch(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch of `step`: windows of the corpus at deterministic offsets, targets shifted by one."""
-    data = torch.tensor([CHARS.index(c) for c in CORPUS])
-    starts = [(7 * (step * cfg.batch + i)) % (len(data) - cfg.seq - 1) for i in range(cfg.batch)]
-    windows = torch.stack([data[a:a + cfg.seq + 1] for a in starts])
-    return windows[:, :-1], windows[:, 1:]
-
-
-def local_batch(cfg: Config, mesh: Mesh, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's tokens of the global batch: its replica's b = B/dp sequences, its s/C part of each."""
-    b = cfg.batch // mesh.grid.dp
-    ids, targets = (t[mesh.dp_rank * b:(mesh.dp_rank + 1) * b].to(launch.device()) for t in get_batch(cfg, step))
-    if mesh.grid.cp == 1:
-        return ids, targets
-    return tuple(split_sequence(t, mesh.cp_group, dim=1) for t in (ids, targets))
+def tiny_gpt(cfg: Config, mesh: Mesh | None = None, device=None) -> nn.Sequential:
+    """The model, written once. mesh=None: dense, PyTorch's layers; else mini_dist's over the mesh's tp, cp
+    and ep groups, with the same parameter names. A flat nn.Sequential, so that a pipeline can cut it."""
+    h, V, kw = cfg.hidden, cfg.vocab, dict(dtype=cfg.dtype, device=device)
+    positions, ln_f = nn.Embedding(cfg.seq, h, dtype=cfg.dtype, device=device), nn.LayerNorm(h, **kw)
+    if mesh is None:
+        embedding = Embedding(nn.Embedding(V, h, dtype=cfg.dtype, device=device), positions)
+        blocks = [TransformerBlock(h, cfg.heads, causal=True, **kw) for _ in range(cfg.layers)]
+        head = Head(ln_f, nn.Linear(h, V, bias=False, dtype=cfg.dtype, device=device))
+    else:
+        tp, cp = mesh.tp_group, mesh.cp_group if mesh.grid.cp > 1 else None
+        embedding = Embedding(VocabParallelEmbedding(V, h, group=tp, **kw), positions, cp)
+        blocks = [ParallelTransformerBlock(h, cfg.heads, causal=True, group=tp, **kw) for _ in range(cfg.layers)]
+        head = Head(ln_f, ColumnParallelLinear(h, V, bias=False, group=tp, **kw))
+    for block in blocks:
+        if cfg.experts:
+            block.mlp = MoE(h, 4 * h, cfg.experts, cfg.top_k, **kw) if mesh is None else \
+                ExpertParallelMoE(h, 4 * h, cfg.experts, cfg.top_k, group=mesh.ep_group, **kw)
+            # the aux loss is not trained: drop its graph now, not at the layer's next call (else, in a pipeline,
+            # one microbatch's graph would stay alive beside the next one's activations)
+            block.mlp.register_forward_hook(lambda moe, *_: setattr(moe, "aux_loss", moe.aux_loss.detach()))
+        if mesh is not None and cp is not None:
+            block.attn = ContextParallelAttention(h, cfg.heads, cp, group=tp, **kw)
+        if mesh is not None and cfg.checkpoint:
+            checkpoint_module(block)
+    return nn.Sequential(embedding, *blocks, head)
 
 
 class Embedding(nn.Module):
@@ -124,15 +116,8 @@ class Embedding(nn.Module):
         return self.tokens(ids) + self.positions(where)
 
 
-class Head(nn.Module):
+class Head(nn.Sequential):
     """Final layer norm + LM head (dense, or V/tp output columns per rank: logits stay split)."""
-
-    def __init__(self, ln_f: nn.LayerNorm, lm_head: nn.Module):
-        super().__init__()
-        self.ln_f, self.lm_head = ln_f, lm_head
-
-    def forward(self, x):
-        return self.lm_head(self.ln_f(x))
 
 
 class ContextParallelAttention(ParallelAttention):
@@ -151,39 +136,11 @@ class ContextParallelAttention(ParallelAttention):
         return self.out_proj(out.transpose(1, 2).flatten(2))
 
 
-def tiny_gpt(cfg: Config, mesh: Mesh | None = None, device=None) -> nn.Sequential:
-    """The model, written once. mesh=None: dense, PyTorch's layers; else mini_dist's over the mesh's tp, cp
-    and ep groups, with the same parameter names. A flat nn.Sequential, so that a pipeline can cut it."""
-    h, V, kw = cfg.hidden, cfg.vocab, dict(dtype=cfg.dtype, device=device)
-    positions = nn.Embedding(cfg.seq, h, **kw)
-    if mesh is None:
-        embedding = Embedding(nn.Embedding(V, h, **kw), positions)
-        blocks = [TransformerBlock(h, cfg.heads, causal=True, **kw) for _ in range(cfg.layers)]
-        head = Head(nn.LayerNorm(h, **kw), nn.Linear(h, V, bias=False, **kw))
-    else:
-        tp, cp = mesh.tp_group, mesh.cp_group if mesh.grid.cp > 1 else None
-        embedding = Embedding(VocabParallelEmbedding(V, h, group=tp, **kw), positions, cp)
-        blocks = [ParallelTransformerBlock(h, cfg.heads, causal=True, group=tp, **kw) for _ in range(cfg.layers)]
-        head = Head(nn.LayerNorm(h, **kw), ColumnParallelLinear(h, V, bias=False, group=tp, **kw))
-    for block in blocks:
-        if cfg.experts:
-            block.mlp = MoE(h, 4 * h, cfg.experts, cfg.top_k, **kw) if mesh is None else \
-                ExpertParallelMoE(h, 4 * h, cfg.experts, cfg.top_k, group=mesh.ep_group, **kw)
-            # the aux loss is not trained: drop its graph now, not at the layer's next call (else, in a pipeline,
-            # one microbatch's graph would stay alive beside the next one's activations)
-            block.mlp.register_forward_hook(lambda moe, *_: setattr(moe, "aux_loss", moe.aux_loss.detach()))
-        if mesh is not None and cp is not None:
-            block.attn = ContextParallelAttention(h, cfg.heads, cp, group=tp, **kw)
-        if mesh is not None and cfg.checkpoint:
-            checkpoint_module(block)
-    return nn.Sequential(embedding, *blocks, head)
-
-
 def parts(model: nn.Sequential, dense: nn.Sequential, mesh: Mesh):
-    """(part, its dense twin, the module that moves weights between them, over which group): each weight once."""
+    """(part, its dense twin, the module that moves its weights, over which group): each weight once."""
     for layer, whole in zip(model, dense):
         for name, part in layer.named_children():
-            axis = expert_parallel if isinstance(part, ExpertParallelMoE) else tensor_parallel
+            axis = expert_parallel if isinstance(part, ExpertParallelMoE) else tp_layout
             yield part, getattr(whole, name), axis, mesh.ep_group if axis is expert_parallel else mesh.tp_group
 
 
@@ -201,58 +158,46 @@ def gather_to_dense(model: nn.Sequential, dense: nn.Sequential, mesh: Mesh) -> n
     return dense
 
 
-def dense_model(cfg: Config) -> nn.Sequential:
-    torch.manual_seed(cfg.seed)  # every rank, and the single process, build the same initial model
-    return tiny_gpt(cfg)
+def dense_model(cfg: Config, device=None) -> nn.Sequential:
+    """The dense model every rank and the single process start from: drawn from the CPU generator, seeded
+    (# cpu: the same numbers on every device), then moved to `device`."""
+    torch.manual_seed(cfg.seed)
+    return tiny_gpt(cfg).to(device)
 
 
 def parallel_model(cfg: Config, mesh: Mesh) -> nn.Sequential:
-    """This rank's shard of dense_model(cfg)."""
-    return shard_from_dense(tiny_gpt(cfg, mesh, launch.device()), dense_model(cfg), mesh)
+    """This rank's shard of dense_model(cfg), on this rank's device."""
+    return shard_from_dense(tiny_gpt(cfg, mesh, launch.device()), dense_model(cfg, launch.device()), mesh)
 
 
-def loss_fn(tp_group):
-    """The mean cross-entropy over a rank's tokens, from its V/tp logits."""
-    return lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp_group).mean()
+def get_batch(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of `step`: windows of the corpus at deterministic offsets, targets shifted by one."""
+    data = torch.tensor([CHARS.index(c) for c in CORPUS], device=launch.device())
+    starts = [(7 * (step * cfg.batch + i)) % (len(data) - cfg.seq - 1) for i in range(cfg.batch)]
+    windows = torch.stack([data[a:a + cfg.seq + 1] for a in starts])
+    return windows[:, :-1], windows[:, 1:]
 
 
-def train_dense(cfg: Config, steps: int) -> list[float]:
-    """The reference: one process, the dense model, the whole global batch, torch.optim.Adam."""
-    model = dense_model(cfg)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    losses = []
-    for step in range(steps):
-        ids, targets = get_batch(cfg, step)
-        loss = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def is_expert(p) -> bool:
-    return hasattr(p, "ep_dim")
+def local_batch(cfg: Config, mesh: Mesh, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's tokens of the global batch: its replica's b = B/dp sequences, its s/C part of each."""
+    b = cfg.batch // mesh.grid.dp
+    ids, targets = (t[mesh.dp_rank * b:(mesh.dp_rank + 1) * b] for t in get_batch(cfg, step))
+    if mesh.grid.cp == 1:
+        return ids, targets
+    return tuple(split_sequence(t, mesh.cp_group, dim=1) for t in (ids, targets))
 
 
 def average_gradients(model, mesh: Mesh) -> None:
-    """The plain data-parallel reduction (the training script overlaps it: mini_dist/train_5d.py): every
-    gradient averaged over the dp x cp ranks, which saw other tokens. An expert's gradient already sums the
-    tokens of its EP group (they came to it): its replicas (edp) sum theirs, divided by dp x cp too."""
+    """Plain data parallelism (train_5d.py overlaps it): each gradient averaged over the dp x cp ranks, which
+    saw other tokens; an expert's already sums its EP group's tokens: its replicas (edp) sum theirs, / dp*cp."""
     n = mesh.grid.dp * mesh.grid.cp
     for p in model.parameters():
-        p.grad = all_reduce(p.grad, mesh.edp_group if is_expert(p) else mesh.dp_cp_group) / n
+        p.grad = all_reduce(p.grad, mesh.edp_group if hasattr(p, "ep_dim") else mesh.dp_cp_group) / n  # expert?
 
 
 def kind(layer) -> str:
-    """The cost model's name for a layer of the flat model."""
+    """The ledger's name for a layer of the flat model (mini_dist/gpt_ledger.py)."""
     return "embedding" if isinstance(layer, Embedding) else "head" if isinstance(layer, Head) else "block"
-
-
-def routed_rows(moe, me: int) -> tuple[int, int]:
-    """(rows an ExpertParallelMoE sent to or received from other ranks, rows its experts received) in its
-    last call, me = this rank's index in its expert group: what the EP bytes and the expert activations cost."""
-    return sum(moe.sent) - moe.sent[me] + sum(moe.received) - moe.received[me], sum(moe.received)
 
 
 # ----- demo: one forward + backward against the dense model -----
@@ -272,19 +217,16 @@ def parser():
 def configuration_error(cfg: Config, grid) -> str | None:
     """Why this model cannot be cut over this grid, in one sentence saying what to change, or None."""
     if min(cfg.layers, cfg.hidden, cfg.heads, cfg.seq) < 1 or cfg.experts < 0 or cfg.seq > len(CORPUS) - 2:
-        return (f"--layers, --hidden, --heads and --seq must be at least 1, --moe at least 0, --seq at most "
-                f"{len(CORPUS) - 2} (windows of the corpus)")
+        return f"--layers, --hidden, --heads, --seq must be >= 1 (--seq <= {len(CORPUS) - 2}), --moe >= 0"
     if cfg.hidden % cfg.heads or cfg.heads % grid.tp:
         heads = -(-cfg.heads // grid.tp) * grid.tp
         return (f"--heads {cfg.heads} must divide --hidden {cfg.hidden} and be a multiple of --tp {grid.tp} (each "
-                f"tensor-parallel rank owns whole heads): try --heads {heads} "
-                f"--hidden {-(-cfg.hidden // heads) * heads}")
+                f"rank owns whole heads): try --heads {heads} --hidden {-(-cfg.hidden // heads) * heads}")
     if grid.cp > 1 and cfg.seq % (2 * grid.cp):
-        return (f"--seq {cfg.seq} must be a multiple of 2 x cp = {2 * grid.cp}: the zigzag layout cuts each sequence "
-                f"into 2C equal chunks, two per context-parallel rank")
+        return f"--seq {cfg.seq} must be a multiple of 2 x cp = {2 * grid.cp}: zigzag gives each rank 2 of 2C chunks"
     if cfg.experts % grid.ep or (grid.ep > 1 and not cfg.experts):
-        return (f"--ep {grid.ep} must divide the experts, --moe {cfg.experts}: each expert-parallel rank holds "
-                f"E/ep whole experts: try --moe {-(-max(cfg.experts, 1) // grid.ep) * grid.ep}")
+        return (f"--ep {grid.ep} must divide the experts, --moe {cfg.experts} (E/ep whole experts a rank): try "
+                f"--moe {-(-max(cfg.experts, 1) // grid.ep) * grid.ep}")
     if cfg.batch % grid.dp:
         return f"the global batch of {cfg.batch} sequences must split into dp = {grid.dp} equal replica batches"
     if cfg.experts and not 1 <= cfg.top_k <= cfg.experts:
@@ -294,35 +236,32 @@ def configuration_error(cfg: Config, grid) -> str | None:
 
 def step_against_dense(cfg: Config, mesh: Mesh):
     """One forward + backward of this rank's shard on its tokens beside the dense model on the whole batch.
-    Returns the largest difference (the loss and every gradient), then (measured, formula) pairs: the bytes
-    each axis moved, and the bytes of parameters, gradients and saved activations (the planner's)."""
-    model, dense, g = parallel_model(cfg, mesh), dense_model(cfg), mesh.grid
+    Returns the largest difference (the loss and every gradient), then (measured, ledger) pairs: the bytes
+    each axis moved, and the bytes of parameters, gradients and activations (the most bytes autograd saved
+    for backward at once, measure.PeakSaved: exact on any device, unlike an allocator's peak)."""
+    dev, g = launch.device(), mesh.grid
+    model, dense = parallel_model(cfg, mesh), dense_model(cfg, dev)
     ids, targets = local_batch(cfg, mesh, 0)
     COUNTER.reset()
     saved = PeakSaved(lambda: {p.untyped_storage().data_ptr() for p in model.parameters()})
     with saved.hooks():
-        loss = loss_fn(mesh.tp_group)(model(ids), targets)
+        loss = vocab_parallel_cross_entropy(model(ids), targets, mesh.tp_group).mean()  # from V/tp logits
     loss.backward()
     sent = {"tp": COUNTER.bytes["all_reduce"], "cp": COUNTER.bytes["ring"], "ep": COUNTER.bytes["all_to_all"]}
-    moe = [routed_rows(m, mesh.coords["ep_index"]) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
-    off, received = sum(o for o, _ in moe), sum(r for _, r in moe)
-    e = torch.finfo(cfg.dtype).bits // 8
-    held = {"params": sum(e * p.numel() for p in model.parameters()),
-            "grads": sum(e * p.grad.numel() for p in model.parameters()), "activations": saved.peak}
+    me = mesh.coords["ep_index"]
+    routed = [gpt_ledger.routed_rows(m, me) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+    held = {"params": sum(p.nbytes for p in model.parameters()),
+            "grads": sum(p.grad.nbytes for p in model.parameters()), "activations": saved.peak}
     ids, targets = get_batch(cfg, 0)
     whole = F.cross_entropy(dense(ids).flatten(0, 1), targets.flatten())
     whole.backward()
     mean_loss = all_reduce(loss.detach(), mesh.dp_cp_group) / (g.dp * g.cp)
     average_gradients(model, mesh)
-    gathered = gather_to_dense(model, dense_model(cfg), mesh)
+    gathered = gather_to_dense(model, dense_model(cfg, dev), mesh)
     diffs = [mean_loss - whole] + [p.grad - q.grad for p, q in zip(gathered.parameters(), dense.parameters())]
     plan = cost_model.Plan(dp=g.dp, cp=g.cp, tp=g.tp, ep=g.ep, checkpoint=cfg.checkpoint,
                            micro_batch=cfg.batch // g.dp, precision="fp64")
-    layers, m = [kind(layer) for layer in model], cfg.model()
-    numel = sum(sum(cost_model.gpt_layer_numel(m, plan, k)) for k in layers)
-    planned = {"params": e * numel, "grads": e * numel,
-               "activations": cost_model.gpt_activation_bytes(m, plan, layers, received)}
-    traffic = cost_model.gpt_step_traffic(m, plan, cfg.layers, True, True, off)
+    traffic, planned = gpt_ledger.step_ledger(gpt_ledger.model_of(cfg), plan, list(map(kind, model)), routed, dev)
     return max(d.abs().max().item() for d in diffs), (sent, traffic), (held, planned)
 
 
@@ -343,14 +282,15 @@ def demo(args) -> int:
     dist.all_gather_object(rows, (traffic, memory))
     launch.print0(f"tiny GPT: {cfg.layers} blocks, h={cfg.hidden}, {cfg.heads} heads, s={cfg.seq}, batch 2, "
                   f"{f'MoE {cfg.experts} experts top-{cfg.top_k}' if cfg.experts else 'MLP'}"
-                  f"{', checkpointed blocks' if cfg.checkpoint else ''}; cp {grid.cp} x tp {grid.tp}, ep {grid.ep}, "
-                  f"fp64\n|loss - dense| and max |grad - dense| over every weight: {worst:.1e}\n"
-                  f"bytes each rank moved, forward + backward: measured = the docstring's formulas\n"
-                  + side_by_side([t for t, _ in rows], ("tp", "cp", "ep")) + "\nmemory per rank, bytes: measured = planner "
-                  "(mini_dist/cost_model.py)\n" + side_by_side([m for _, m in rows], ("params", "grads", "activations")))
+                  f"{', checkpointed blocks' * cfg.checkpoint}; cp {grid.cp} x tp {grid.tp}, ep {grid.ep}, fp64\n"
+                  f"|loss - dense| and max |grad - dense| over every weight: {worst:.1e}\nbytes each rank sent in one "
+                  "forward + backward, by axis: measured = the docstring's formulas\n" + side_by_side(
+                      [t for t, _ in rows], ("tp", "cp", "ep")) + "\nbytes each rank holds: measured = ledger "
+                  "(mini_dist/gpt_ledger.py); activations: the most bytes autograd saved for backward at once "
+                  "(measure.PeakSaved)\n" + side_by_side([m for _, m in rows], ("params", "grads", "activations")))
     exact = all(a == b for pairs in rows for a, b in pairs)
     return launch.conclude("parallel_gpt", worst < 1e-12, f"= dense GPT ({worst:.0e})", exact,
-                           "bytes per axis = formulas, memory = planner")
+                           "bytes per axis = formulas, memory = ledger")
 
 
 if __name__ == "__main__":

@@ -340,15 +340,7 @@ def master_weights():
     Sharding the states fixes it (fully sharded over 8 GPUs, 14 GB each); mini_dist's planner tries the simplest
     plans first and picks the first that fits with its traffic hidden behind compute.""")
 def seven_billion():
-    b, numel = 10 ** 9, 10_000
-    per = sum(cost_model.measured_model_state_bytes(numel, "bf16", "adam")) / numel
-    model = cost_model.Model(7 * b, 32, 4096, 32, 4096)
-    best = planner.recommend(model, cost_model.Cluster(8), cost_model.Plan(8, microbatches=8))
-    sharded = sum(cost_model.model_state_bytes(7 * b, 8, 3)) / b
-    return (f"torch holds {per:g} B per parameter after an Adam step with bf16 weights and an fp32 master copy "
-            f"(measured on {numel:,}); 7B x {per:g} = {7 * per:g} GB > 80 GB; one 80 GB GPU holds the states of "
-            f"{80 / per:.1f}B parameters at most; fully sharded over 8: {sharded:g} GB each; the planner's pick for "
-            f"8 x 80 GB, seq 4096: {best.plan.name}, {best.total / b:.1f} GB/GPU"), per == 16 and sharded == 14
+    return planner.memory_for_7b()
 
 
 # ----------------------------------------------------------------------------- the cluster
@@ -445,21 +437,14 @@ def global_batch():
 
 
 @question(26, "Adding GPUs stopped speeding training up: what are the usual culprits, and what does Amdahl's law "
-          "cap?", "./run.sh demo planner --params 7B --serial 0.05", ranks=RANKS, answer="""
+          "cap?", "./run.sh demo planner --params 7B --serial 0.05", answer="""
     At a fixed global batch each added GPU gets less to compute, but its share of communication does not shrink: a
     ring all-reduce still sends 2(N-1)/N of the gradients per rank, so communication takes a growing share of the
     step until backward can no longer hide it. The other usual culprits: a batch per GPU too small to keep it busy,
     pipeline bubbles, stragglers (a slow node, unbalanced experts), and data loading. Amdahl (1967): if a fraction
     f of the step cannot be split, the speed-up never exceeds 1/f, 20x for f = 5%.""")
 def scaling_stops():
-    D = 4 * (1 << 14)
-    ring = {n: _bytes_sent(ring_all_reduce, n, D // 4)[0] / D for n in (2, RANKS)}
-    growth = (ring[RANKS] * RANKS) / (ring[2] * 2)  # bytes per unit of compute: compute per rank is 1/N
-    speedup = {n: cost_model.amdahl(0.05, n) for n in (8, 64, 256)}
-    return (f"a fixed global batch on 2 -> {RANKS} ranks: compute per rank halves, ring bytes per rank go "
-            f"{ring[2]:.2f}D -> {ring[RANKS]:.2f}D: communication per unit of compute x{growth:.1f}; Amdahl with 5% "
-            f"serial: " + ", ".join(f"{s:.1f}x on {n} GPUs" for n, s in speedup.items())
-            + f", never {1 / 0.05:.0f}x"), ring == {2: 1.0, RANKS: 2 * (RANKS - 1) / RANKS} and speedup[256] < 20
+    return planner.scaling_stops()
 
 
 @question(27, "How do data, tensor, pipeline, context and expert parallelism combine, and which axis goes "
@@ -471,22 +456,8 @@ def scaling_stops():
     gradient reduction per step, hidden behind backward). However they are combined, the result must equal one
     process on the whole batch.""")
 def five_axes():
-    from mini_dist import mesh, parallel_gpt, train_5d  # here: the other 27 answers do not need them to import
-    cfg = parallel_gpt.Config(vocab=parallel_gpt.padded_vocab(2), layers=2, hidden=16, heads=2, seq=8, batch=4)
-    run = train_5d.train_5d(cfg, mesh.Mesh(dp=2, tp=2), steps=1)
-    diff = abs(run.losses[0] - parallel_gpt.train_dense(cfg, 1)[0])
-    sent, calls = run.bytes[-1], comm.COUNTER.calls["all_reduce"]
-    grid = mesh.RankGrid(dp=2, pp=2, cp=2, tp=2)
-    groups = ", ".join(f"{a} {grid.groups(a)[0]}" for a in ("tp", "cp", "pp", "dp"))
-    big = cost_model.evaluate(cost_model.Model(7 * 10 ** 9, 32, 4096, 32, 4096),
-                              cost_model.Plan(8, tp=8, microbatches=8), cost_model.Cluster(64)).traffic
-    return (f"a tiny GPT on dp 2 x tp 2, one step = one process to {diff:.0e}; rank 0 moved per step: TP "
-            f"{sent['tp']:,} B in {calls} blocking all-reduces (blocks, embedding and loss, forward and backward), DP "
-            f"{sent['dp']:,} B "
-            f"once per step, during backward; a 7B model as TP 8 x DP 8 with 8 microbatches of 4096 tokens: TP "
-            f"{big['tp'] / 1e9:.0f} GB per GPU per step, DP {big['dp'] / 1e9:.1f} GB (cost model); in a "
-            f"dp 2 x pp 2 x cp 2 x tp 2 grid rank 0's groups are {groups}: the chattiest axis on the nearest ranks"), \
-        diff <= 1e-13 and calls > 1 and grid.groups("tp")[0] == [0, 1] and big["tp"] > 10 * big["dp"]
+    from mini_dist import train_5d  # here: the other answers do not need it to import
+    return train_5d.five_axes()
 
 
 @question(28, "What fails in multi-node training, and how does a job notice a dead or disagreeing rank?",

@@ -28,6 +28,7 @@ BAD = {
     "compression": (2, ["--ranks", "1000"], "--ranks"),
     "context_parallel": (5, [], "--seq"),
     "cost_model": (1, ["--ranks", "0"], "--ranks"),
+    "gpt_ledger": (1, ["--tp", "3"], "--tp"),
     "ddp": (2, ["--steps", "0"], "--steps"),
     "expert_parallel": (3, [], "experts"),
     "flat_param": (2, ["--sizes", "4"], "--sizes"),

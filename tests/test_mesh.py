@@ -2,6 +2,7 @@
 next to it, and torch's DeviceMesh (with dp x cp flattened and unflattened into edp x ep, as torchtitan builds
 them) agrees; degrees left out are filled in, and degrees that cannot fill the world are refused saying which
 flags to change."""
+import itertools
 import math
 
 import pytest
@@ -10,6 +11,7 @@ import torch.distributed as dist
 from hypothesis import given, strategies as st
 
 from harness import RankFailure, device, run
+from mini_dist import mesh
 from mini_dist.kit.launch import UsageError
 from mini_dist.mesh import AXES, GROUPS, Mesh, RankGrid, grid_for
 
@@ -20,6 +22,26 @@ def grids(draw):
     product = dims["dp"] * dims["cp"]
     ep = draw(st.sampled_from([e for e in range(1, product + 1) if product % e == 0]))
     return RankGrid(**dims, ep=ep)
+
+
+@pytest.mark.exercise
+@pytest.mark.single_process
+@given(grids())
+def test_rank_coords_and_groups_equal_an_enumeration_of_the_grid_with_tp_fastest(drawn):
+    """RankGrid.rank, coords and groups (the exercise) against the grid enumerated in (dp, pp, cp, tp) order."""
+    grid = mesh.RankGrid(drawn.dp, drawn.pp, drawn.cp, drawn.tp, drawn.ep)  # the module's class, at call time
+    places = list(itertools.product(*(range(getattr(grid, a)) for a in AXES)))
+    for r, (d, p, c, t) in enumerate(places):
+        got = grid.rank(d, p, c, t)
+        assert got == r, f"{grid}: rank(dp={d}, pp={p}, cp={c}, tp={t}) = {got}, want {r}"
+        f = d * grid.cp + c
+        want = {"dp": d, "pp": p, "cp": c, "tp": t, "ep_index": f % grid.ep, "ep_replica": f // grid.ep}
+        assert grid.coords(r) == want, f"{grid}: coords({r}) = {grid.coords(r)}, want {want}"
+    for name in GROUPS:
+        want = sorted({tuple(q for q in range(grid.size) if all(grid.coords(q)[k] == grid.coords(r)[k]
+                                                               for k in mesh.SHARED[name])) for r in range(grid.size)})
+        got = sorted(tuple(g) for g in grid.groups(name))
+        assert got == want, f"{grid}: groups({name!r}) = {got}, want {want}"
 
 
 def expected_size(grid, name):

@@ -2,22 +2,25 @@
 (mini_dist/parallel_gpt.py): one forward + backward on every factorisation dp x cp x tp of 1, 2 and 4 ranks
 gives the dense model's loss and every one of its gradients (PyTorch's own layers in one process, the whole
 batch), each axis moves the bytes of the docstring's formulas, and the parameters, gradients and saved
-activations of each rank are the planner's (mini_dist/cost_model.py).
+activations of each rank are the ledger's (mini_dist/gpt_ledger.py), also where attention runs the math kernel
+(CUDA's for fp64, forced here on the CPU), which keeps the attention probabilities for backward.
 
 Tolerance: fp64 (eps 2.2e-16) on a loss ~3 and gradients <= ~1: the cut model differs from the dense one only in
 the order of its sums (row-parallel partial sums over h/tp terms, the dp x cp average, ring attention's online
 softmax, experts' rows in another order), a few ulps; measured <= 4.4e-16 over 80 runs. A wrong divisor, a
 missing all-reduce or a wrong sequence chunk moves a gradient by as much as the gradient itself: 1e-12 sits
 far below that and far above the rounding."""
+import contextlib
+
 import pytest
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from harness import run
 from mini_dist import parallel_gpt
 from mini_dist.kit import launch
-from mini_dist.cost_model import Plan, gpt_step_traffic
 from mini_dist.mesh import Mesh, RankGrid
 from mini_dist.parallel_gpt import Config, configuration_error, padded_vocab, step_against_dense
 
@@ -32,8 +35,9 @@ def mesh_for(grid: RankGrid) -> Mesh:
     return _meshes[grid]
 
 
-def on_ranks(grid, cfg):
-    worst, traffic, memory = step_against_dense(cfg, mesh_for(grid))
+def on_ranks(grid, cfg, math_kernel=False):
+    with sdpa_kernel(SDPBackend.MATH) if math_kernel else contextlib.nullcontext():
+        worst, traffic, memory = step_against_dense(cfg, mesh_for(grid))
     return worst, traffic, memory, dist.get_rank()
 
 
@@ -42,15 +46,17 @@ def factorisations(world):
     return [(d, c, world // (d * c)) for d in range(1, world + 1) for c in range(1, world + 1) if world % (d * c) == 0]
 
 
-def check(dp, cp, tp, ep=1, experts=0, checkpoint=False, seed=0, seq=16, **shape):
+def check(dp, cp, tp, ep=1, experts=0, checkpoint=False, seed=0, seq=16, math_kernel=False, **shape):
     grid = RankGrid(dp=dp, cp=cp, tp=tp, ep=ep)
     cfg = Config(vocab=padded_vocab(tp), layers=2, seq=seq, batch=2 * dp, experts=experts, checkpoint=checkpoint,
                  seed=seed, **shape)
     assert configuration_error(cfg, grid) is None
-    for worst, (sent, formula), (held, planned), rank in run(grid.size, on_ranks, grid, cfg):
+    results = run(grid.size, on_ranks, grid, cfg, math_kernel)
+    for worst, (sent, formula), (held, planned), rank in results:
         assert worst <= TOL, (rank, worst)
         assert sent == formula, rank
         assert held == planned, rank
+    return results
 
 
 CASES = [(d, c, t) for world in (1, 2, 4) for d, c, t in factorisations(world)]
@@ -109,19 +115,13 @@ def test_the_demo_refuses_a_configuration_in_one_line_before_any_process_group(w
     assert len(err) == 1 and says in err[0], err
 
 
-@given(tp=st.sampled_from([1, 2, 4]), cp=st.sampled_from([1, 2, 4]), ep=st.sampled_from([1, 2]),
-       experts=st.sampled_from([0, 4]), checkpoint=st.booleans(), b=st.integers(1, 3), M=st.integers(1, 3),
-       rows=st.integers(0, 500), blocks=st.integers(0, 4), ends=st.tuples(st.booleans(), st.booleans()))
-@pytest.mark.single_process
-def test_the_planners_bytes_are_the_docstrings_formulas(tp, cp, ep, experts, checkpoint, b, M, rows, blocks, ends):
-    # the docstring, per microbatch: TP [n_T*L + embedding + head]*b(s/C)h*e + 3b(s/C)*e with n_T = 4 (MLP) or
-    # 2 (experts), x1.5 recomputed; CP 6 (8 recomputed) hops of (C-1) b(s/C)(h/T)*e per block; EP 2 (3) trips
-    # of the off-rank rows, h*e each. The ranks' ledgers are checked against the planner above.
-    cfg, e = Config(experts=experts, checkpoint=checkpoint), 8
-    h, n, again = cfg.hidden, b * cfg.seq // cp, 1.5 if checkpoint else 1
-    plan = Plan(dp=1, tp=tp, cp=cp, ep=ep, checkpoint=checkpoint, micro_batch=b, microbatches=M, precision="fp64")
-    n_T = (2 if experts else 4) * again
-    want = {"tp": (tp > 1) * M * ((n_T * blocks + ends[0] + ends[1]) * n * h * e + 3 * n * e * ends[1]),
-            "cp": (cp > 1) * M * (8 if checkpoint else 6) * (cp - 1) * blocks * n * (h // tp) * e,
-            "ep": (ep > 1 and experts > 0) * 2 * again * rows * h * e}
-    assert gpt_step_traffic(cfg.model(), plan, blocks, *ends, rows) == want
+@pytest.mark.parametrize("dp,cp,tp,experts", [(1, 1, 2, 0), (2, 1, 1, 4), (1, 2, 2, 0)])
+def test_the_math_attention_kernel_keeps_the_probabilities_and_the_ledger_counts_them(dp, cp, tp, experts):
+    """CUDA runs fp64 attention on SDPA's math kernel, which keeps the H/T s x s probabilities where the CPU's
+    flash kernel keeps one log-sum-exp per row: forced here, the saved bytes grow by exactly e*Hn(s-1)/T per
+    block, and the ledger follows; ring attention (cp > 1) keeps the same bytes under either."""
+    fused, math = (check(dp, cp, tp, experts=experts, ep=dp, math_kernel=m) for m in (False, True))
+    n, s, H, e, L = 2 * 16 // cp, 16 // cp, 4, 8, 2
+    for (_, _, (held, _), _), (_, _, (held_math, _), _) in zip(fused, math):
+        grown = held_math["activations"] - held["activations"]
+        assert grown == (cp == 1) * L * e * H * n * (s - 1) // tp, grown

@@ -2,7 +2,7 @@
 and 4 ranks, with or without experts cut over ep ranks of dp x cp, DDP, ZeRO-1, ZeRO-2 or FSDP on the data x
 context axis, every pipeline schedule, with or without recomputation, follows the loss curve of one process
 training the dense model on the same global batch; each rank moves the bytes of the formulas on each axis,
-and the planner (mini_dist/cost_model.py) predicts each rank's bytes and memory by category exactly.
+and the ledger (mini_dist/gpt_ledger.py) predicts each rank's bytes and memory by category exactly.
 
 Tolerance: fp64 (eps 2.2e-16), losses ~3. The runs differ only in the order of their sums (TP partial sums,
 the dp x cp average, microbatch sums, ring attention's online softmax, experts' rows, ZeRO's flat Adam): a few
@@ -10,6 +10,7 @@ ulps per step, measured <= 1.3e-15 over 127 configurations. A wrong gradient (a 
 a wrong sequence chunk) moves a later loss by 1e-6 or more even under Adam, which all but forgives a gradient
 scaled as a whole (experts' gradients not divided by ep: 3.7e-6): 1e-13 sits between. The demos' two 8-rank
 configurations run here too: about 7 s on 2 cores, the 8-rank pool's start included."""
+import contextlib
 import dataclasses
 import math
 from fractions import Fraction
@@ -18,15 +19,16 @@ import pytest
 import torch.distributed as dist
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from harness import RankFailure, run
 from mini_dist import train_5d
 from mini_dist.kit import launch
 from mini_dist.mesh import Mesh, RankGrid
-from mini_dist.parallel_gpt import Config, padded_vocab, train_dense
+from mini_dist.parallel_gpt import Config, padded_vocab
 from mini_dist.pipeline import HEADER_LEN
 from mini_dist.pipeline_schedules import SCHEDULES
-from mini_dist.train_5d import configuration_error, predictions
+from mini_dist.train_5d import configuration_error, predictions, train_dense
 
 STEPS = 3
 LOSS_TOL = 1e-13
@@ -46,10 +48,11 @@ def mesh_for(grid: RankGrid) -> Mesh:
     return _meshes[grid]
 
 
-def train_on_ranks(grid, cfg, M, schedule, zero, chunks):
+def train_on_ranks(grid, cfg, M, schedule, zero, chunks, math_kernel=False):
     mesh = mesh_for(grid)
-    r = train_5d.train_5d(cfg, mesh, STEPS, M, schedule, zero, chunks)
-    traffic, memory = predictions(r, cfg, mesh, M, schedule, zero)
+    with sdpa_kernel(SDPBackend.MATH) if math_kernel else contextlib.nullcontext():
+        r = train_5d.train_5d(cfg, mesh, STEPS, M, schedule, zero, chunks)
+        traffic, memory = predictions(r, cfg, mesh, M, schedule, zero)
     return dict(run=r, traffic=traffic, planned=memory, coords=mesh.coords)
 
 
@@ -78,11 +81,12 @@ def formula_bytes(res, cfg, grid, M, zero):
             "ep": (E > 1) * 2 * again * rows * h * e}
 
 
-def check(grid, M=2, schedule="1f1b", zero=0, chunks=1, experts=0, checkpoint=False, layers=4, seed=0, **shape):
+def check(grid, M=2, schedule="1f1b", zero=0, chunks=1, experts=0, checkpoint=False, layers=4, seed=0, math_kernel=False,
+          **shape):
     cfg = Config(vocab=padded_vocab(grid.tp), layers=layers, batch=grid.dp * M * 2, experts=experts,
                  checkpoint=checkpoint, seed=seed, **shape)
     assert configuration_error(cfg, grid, M, schedule, chunks, zero) is None
-    results = run(grid.size, train_on_ranks, grid, cfg, M, schedule, zero, chunks)
+    results = run(grid.size, train_on_ranks, grid, cfg, M, schedule, zero, chunks, math_kernel)
     reference = train_dense(cfg, STEPS)  # one process, PyTorch's dense layers, the whole batch
     for res in results:
         assert max(abs(a - b) for a, b in zip(res["run"].losses, reference)) <= LOSS_TOL, (res["coords"], reference)
@@ -222,3 +226,10 @@ def test_eight_ranks_the_demos_configurations_train_like_one_process(grid, exper
     dict(grid=RankGrid(tp=3), heads=3, hidden=24, zero=2, experts=2)], ids=["dp3xep3-moe", "cp3", "tp3"])
 def test_three_ranks_odd_degrees_train_like_one_process(case):
     check(**case)
+
+
+@pytest.mark.parametrize("dims, schedule", [((1, 2, 1, 2), "1f1b"), ((2, 2, 1, 1), "gpipe")], ids=["pp2xtp2", "dp2xpp2"])
+def test_the_math_attention_kernel_cudas_for_fp64_keeps_the_ledgers_peak_exact(dims, schedule):
+    """Under SDPA's math kernel (forced here on the CPU) attention keeps its probabilities: a bigger peak of
+    saved bytes, still the ledger's, whatever the schedule keeps alive."""
+    check(RankGrid(*dims), M=2, schedule=schedule, math_kernel=True)
