@@ -112,9 +112,11 @@ def model_state_bytes(numel: int, k: int, zero: int, precision: str = "bf16",
                       optimizer: str = "adam") -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) bytes on one of k data-parallel ranks at a ZeRO stage:
     stage 1 shards the optimizer state, 2 also the gradients, 3 also the weights."""
+    # exercise: each of the three, whole (numel) or sharded (ceil(numel/k)) by the stage; bytes_per_param's sizes
     w, g, o = bytes_per_param(precision, optimizer)
     s = shard(numel, k)
     return w * (s if zero >= 3 else numel), g * (s if zero >= 2 else numel), o * (s if zero >= 1 else numel)
+    # end exercise
 
 
 def activation_bytes(model: Model, plan: Plan) -> tuple[int, int] | None:
@@ -134,7 +136,9 @@ def activation_bytes(model: Model, plan: Plan) -> tuple[int, int] | None:
 def collective_bytes(kind: str, numel: int, k: int, elem_size: int) -> int:
     """Bytes one rank sends in a ring collective over k ranks, the buffer padded to k equal chunks:
     all_reduce 2(k-1)/k*D = reduce_scatter (k-1)/k*D + all_gather (k-1)/k*D."""
+    # exercise: k-1 steps of one chunk of ceil(numel/k) elements, twice for an all-reduce
     return (2 if kind == "all_reduce" else 1) * (k - 1) * shard(numel, k) * elem_size
+    # end exercise
 
 
 def ring_all_reduce_bytes_exact(chunk_numels: list[int], rank: int, elem_size: int) -> int:
@@ -261,7 +265,8 @@ def demo(args) -> int:
     print(f"{args.precision} {args.optimizer}, N = {n:,}: torch holds weights, gradients, state = "
           f"{measured[0]:,} + {measured[1]:,} + {measured[2]:,} B; formula {predicted[0]:,} + {predicted[1]:,} + "
           f"{predicted[2]:,} B = {sum(predicted) / n:g} B per parameter  {'ok' if measured == predicted else 'OFF'}")
-    print(f"per rank over K = {k} (Rajbhandari et al. 2020, Figure 1; S = ceil(N/K) = {shard(n, k):,}):")
+    print(f"bytes per rank over K = {k} (Rajbhandari et al. 2020, Figure 1; S = ceil(N/K) = {shard(n, k):,}): weights "
+          f"+ gradients + optimizer state = total (B/param: the total over N, per rank)")
     for stage, name in STAGES.items():
         w, g, o = model_state_bytes(n, k, stage, args.precision, args.optimizer)
         print(f"  {name:7s} {w:>14,} + {g:>14,} + {o:>14,} = {w + g + o:>15,} B  ({(w + g + o) / n:6.3f} B/param)")

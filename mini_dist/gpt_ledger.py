@@ -12,15 +12,12 @@ matrices and E/ep of their experts, and sees n = b*s/C tokens per microbatch; e 
     EP           2 * (rows sent to other ranks + rows received from them) * h*e
     DP           over N = dp*cp ranks: DDP 2(N-1)/N * D, ZeRO-1 3(N-1)*S, ZeRO-2 2(N-1)*S, FSDP 3M(N-1)*S_u
     activations  per block and microbatch e[(4nh + 4n) + (12nh + Hn)/T], e*n*h if the block is checkpointed;
-                 + e*Hn(s-1)/T where attention runs the math kernel (CUDA's, for fp64): it keeps the H/T s x s
+                 + e*Hn(s-1)/T under SDPA's math kernel (CUDA's for fp64), which keeps the H/T s x s
                  probabilities (Korthikanti's as^2b) where a fused kernel keeps one log-sum-exp per row
     peak         the most of them alive at once while a pipeline schedule runs its forwards and backwards
 
-A recomputed (checkpointed) block repeats its forward's collectives in backward: n_T -> 1.5 n_T, 6 -> 8 CP
-hops, 2 -> 3 all-to-all trips.
-
-Demo (one process, no ranks: each rank's ledger for a grid, and the layer counts checked against PyTorch's
-own layers):
+A checkpointed block repeats its forward's collectives in backward: n_T -> 1.5 n_T, 6 -> 8 CP hops, 2 -> 3
+all-to-all trips. Demo (one process: each rank's ledger for a grid; the layers' counts beside PyTorch's):
 
     python -m mini_dist.gpt_ledger --dp 2 --pp 2 --tp 2 [--cp 2 --moe 4 --ep 2 --zero 1 --checkpoint]
 """
@@ -66,11 +63,10 @@ def layer_numel(model: Model, plan: Plan, kind: str) -> tuple[int, int]:
 
 def step_traffic(model: Model, plan: Plan, blocks: int, embedding: bool, head: bool,
                  rows_off: int | None = None) -> dict[str, int]:
-    """Bytes one rank moves per step inside the model, over plan.microbatches microbatches, for its `blocks`
-    transformer blocks, embedding and head: "tp" all-reduce payload, "cp" ring attention's K/V (and dK/dV)
-    sends, "ep" all-to-all rows sent to other ranks. rows_off: rows this rank's MoE layers sent to and
-    received from other ranks in all the step's forwards; None: balanced routing, n*top_k*(ep-1)/ep each
-    way per block and microbatch."""
+    """Bytes one rank moves per step inside the model (M microbatches) for its `blocks`, embedding and head:
+    "tp" all-reduce payload, "cp" ring attention's K/V (and dK/dV) sends, "ep" all-to-all rows. rows_off: rows
+    its MoE layers sent to and got from other ranks in the step's forwards (None: balanced, n*top_k*(ep-1)/ep
+    each way per block and microbatch)."""
     e, h, T, C = PRECISIONS[plan.precision][0], model.hidden, plan.tp, plan.cp
     n = plan.micro_batch * model.seq // C
     again = 1.5 if plan.checkpoint else 1
@@ -84,9 +80,8 @@ def step_traffic(model: Model, plan: Plan, blocks: int, embedding: bool, head: b
 
 
 def pp_traffic(model: Model, plan: Plan, stages: list[int], chunks: int) -> int:
-    """Bytes one pipeline rank sends per step, for its virtual stages of the P*chunks: M activations
-    [b, s/C, h] to the next stage unless it is the last, M gradients back unless it is the first, and the
-    executor's one shape header (HEADER_LEN int64s) ahead of a stage's first activation."""
+    """Bytes a pipeline rank sends per step for its virtual `stages` of P*chunks: M activations [b, s/C, h] on unless
+    it is the last, M gradients back unless it is the first, one HEADER_LEN int64 header ahead of the first."""
     S, act = plan.pp * chunks, plan.microbatches * plan.micro_batch * model.seq // plan.cp * model.hidden
     e = PRECISIONS[plan.precision][0]
     return (plan.pp > 1) * sum(e * act * ((j < S - 1) + (j > 0)) + 8 * HEADER_LEN * (j < S - 1) for j in stages)
@@ -152,8 +147,7 @@ def activation_bytes(model: Model, plan: Plan, layers: list[str], received: int 
     its experts received; `received`: R summed over the chunk's blocks (None: balanced, n*k per block, exact
     when ep = 1). A checkpointed block keeps its input, e*n*h. The embedding keeps token and position
     indices and a mask, 9n + 8*seq; the head its layer norm's input, statistics and output, e*n(2h + 2); the
-    vocab-parallel loss its softmax, e*n*V/T, and 9n. scores: attention keeps its s x s probabilities in
-    place of the log-sum-exp, e*Hn(s-1)/T more per block (attention_keeps_scores says which)."""
+    vocab-parallel loss its softmax, e*n*V/T, and 9n. scores: attention_keeps_scores, e*Hn(s-1)/T more a block."""
     e, h, T, E, k = PRECISIONS[plan.precision][0], model.hidden, plan.tp, model.experts, model.top_k
     n, routed = plan.micro_batch * model.seq // plan.cp, 0
     kept = model.heads * n * (model.seq if scores else 1)  # per token and head: s probabilities, or 1 lse
@@ -179,14 +173,12 @@ def attention_keeps_scores(model: Model, plan: Plan, device) -> bool:
 
 
 def routed_rows(moe, me: int) -> tuple[int, int]:
-    """(rows an ExpertParallelMoE sent to or received from other ranks, rows its experts received) in its
-    last call, me = this rank's index in its expert group: what the EP bytes and the expert activations cost."""
+    """(rows an ExpertParallelMoE's last call sent to or got from other ranks, rows its experts got), me its rank."""
     return sum(moe.sent) - moe.sent[me] + sum(moe.received) - moe.received[me], sum(moe.received)
 
 
 def step_ledger(model: Model, plan: Plan, layers: list[str], routed: list, device) -> tuple[dict, dict]:
-    """One forward + backward of `layers` on one rank, `routed` its MoE layers' routed_rows: the bytes each
-    axis sends (tp, cp, ep) and the bytes held (params, grads, the activations saved for backward)."""
+    """One forward + backward of `layers` (routed: its routed_rows): bytes sent by axis, bytes held by category."""
     numel = sum(sum(layer_numel(model, plan, k)) for k in layers)
     e, received = PRECISIONS[plan.precision][0], sum(r for _, r in routed)
     scores = attention_keeps_scores(model, plan, device)
@@ -245,8 +237,8 @@ def rank_ledger(model: Model, plan: Plan, schedule: str, layout: list, pp_rank: 
     schedule order, routed_rows (None: balanced routing); scores: see attention_keeps_scores."""
     chunks, M, layers = len(layout), plan.microbatches, [k for chunk in layout for k in chunk]
     off = None if routed is None else sum(o for chunk in routed for o, _ in chunk)
-    traffic = {"dp": dp_traffic(model, plan, layers), "pp": pp_traffic(model, plan, [c * plan.pp + pp_rank for c in
-                                                                                     range(chunks)], chunks),
+    stages = [c * plan.pp + pp_rank for c in range(chunks)]
+    traffic = {"dp": dp_traffic(model, plan, layers), "pp": pp_traffic(model, plan, stages, chunks),
                **step_traffic(model, plan, layers.count("block"), "embedding" in layers, "head" in layers, off)}
     actions = SCHEDULES[schedule](plan.pp, M, chunks).actions[pp_rank]
     received = {}  # (chunk, microbatch): rows its experts received; a chunk's forwards run in schedule order
@@ -257,9 +249,6 @@ def rank_ledger(model: Model, plan: Plan, schedule: str, layout: list, pp_rank: 
                                                                    scores),
                             lambda c: forward_transient(model, plan, layout[c]))
     return traffic, {**rank_memory(model, plan, layers, place), "activations": peak}
-
-
-KEYS = ("dp", "pp", "cp", "tp", "ep", "params", "grads", "state", "activations")
 
 
 def parser():
@@ -277,14 +266,12 @@ def parser():
 
 def demo(args) -> int:
     d = {a: getattr(args, a) for a in ("dp", "pp", "cp", "tp", "ep")}
-    M, E = args.microbatches, args.moe
-    launch.require(min(d.values()) >= 1 and M >= 1 and E >= 0 and args.chunks >= 1,
-                   "--dp --pp --cp --tp --ep --microbatches --chunks must be >= 1, --moe >= 0")
-    launch.require(4 % d["tp"] == 0 and 16 % (2 * d["cp"]) == 0 and d["pp"] * args.chunks <= 6,
-                   f"--tp {d['tp']} must divide the 4 heads, 2 x --cp {d['cp']} the 16 tokens, and --pp x --chunks "
-                   f"= {d['pp'] * args.chunks} be at most the 6 layers (embedding, 4 blocks, head)")
-    launch.require(d["dp"] * d["cp"] % d["ep"] == 0 and E % d["ep"] == 0 and (E == 0 or E >= 2) and (E or d["ep"] == 1),
-                   f"--ep {d['ep']} must divide dp x cp = {d['dp'] * d['cp']} and --moe {E} (at least 2: top-2)")
+    M, E, keys = args.microbatches, args.moe, ("dp", "pp", "cp", "tp", "ep", "params", "grads", "state", "activations")
+    launch.require(min(*d.values(), M, args.chunks) >= 1 and 4 % d["tp"] == 0 and 16 % (2 * d["cp"]) == 0 and
+                   d["pp"] * args.chunks <= 6, f"degrees, --microbatches, --chunks >= 1; --tp {d['tp']} must divide "
+                   f"the 4 heads, 2 x --cp the 16 tokens, --pp x --chunks <= the 6 layers (embedding, 4 blocks, head)")
+    launch.require(d["dp"] * d["cp"] % d["ep"] == 0 and E % d["ep"] == 0 and E != 1 and E >= 0 and (E or d["ep"] == 1),
+                   f"--ep {d['ep']} must divide dp x cp = {d['dp'] * d['cp']} and --moe {E} (0, or 2 or more: top-2)")
     model = Model(0, 4, 32, 4, 16, 28 + -28 % d["tp"], E, 2)  # train_5d's tiny GPT: V = 28 characters, padded
     plan = Plan(dp=d["dp"], pp=d["pp"], cp=d["cp"], tp=d["tp"], ep=d["ep"], zero=args.zero, microbatches=M,
                 checkpoint=args.checkpoint, micro_batch=-(-8 // (d["dp"] * M)), precision="fp64")  # train_5d's batch
@@ -296,13 +283,13 @@ def demo(args) -> int:
           "PyTorch's layers: " + ", ".join(f"{k} {ledger[k]:,} {'=' if ledger[k] == counted[k] else '!='} "
                                            f"{counted[k]:,}" for k in ledger))
     print("bytes per rank (every tp rank of a row alike): sent per step by axis | held, activations at their peak\n"
-          "  pp dp*cp" + "".join(f"{k:>12}" for k in KEYS))
+          "  pp dp*cp" + "".join(f"{k:>12}" for k in keys))
     for p in range(d["pp"]):
         for f in range(d["dp"] * d["cp"]):
             layout = [stage_layers(model, d["pp"] * args.chunks)[c * d["pp"] + p] for c in range(args.chunks)]
-            traffic, held = rank_ledger(model, plan, args.schedule, layout, p, f, None, scores)
-            row = {**traffic, **held}
-            print(f"  {p:>2} {f:>5}" + "".join(f"{float(row[k]):>12,.0f}" for k in KEYS))
+            row = {k: v for part in rank_ledger(model, plan, args.schedule, layout, p, f, None, scores)
+                   for k, v in part.items()}
+            print(f"  {p:>2} {f:>5}" + "".join(f"{float(row[k]):>12,.0f}" for k in keys))
     ok = ledger == counted
     print(f"SUMMARY|gpt_ledger|{'PASS' if ok else 'FAIL'} one layer's parameters = PyTorch's, dense|"
           f"{'PASS' if ok else 'FAIL'} {d['pp'] * d['dp'] * d['cp']} rank ledgers, tp {d['tp']} alike")

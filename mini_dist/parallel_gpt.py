@@ -76,7 +76,8 @@ def tiny_gpt(cfg: Config, mesh: Mesh | None = None, device=None) -> nn.Sequentia
     """The model, written once. mesh=None: dense, PyTorch's layers; else mini_dist's over the mesh's tp, cp
     and ep groups, with the same parameter names. A flat nn.Sequential, so that a pipeline can cut it."""
     h, V, kw = cfg.hidden, cfg.vocab, dict(dtype=cfg.dtype, device=device)
-    positions, ln_f = nn.Embedding(cfg.seq, h, dtype=cfg.dtype, device=device), nn.LayerNorm(h, **kw)
+    positions, ln_f = nn.Embedding(cfg.seq, h, dtype=cfg.dtype, device=device), nn.LayerNorm(h, dtype=cfg.dtype,
+                                                                                            device=device)
     if mesh is None:
         embedding = Embedding(nn.Embedding(V, h, dtype=cfg.dtype, device=device), positions)
         blocks = [TransformerBlock(h, cfg.heads, causal=True, **kw) for _ in range(cfg.layers)]

@@ -13,13 +13,10 @@ then data parallelism over the dp x cp ranks, which hold the same weights and sa
 
 Experts (ep > 1) live on the dp*cp/ep ranks that hold the same ones: ZeroOptimizer over that group, their
 gradients first divided by ep, since each already sums its EP group's tokens. The demo prints the loss beside
-one process's, and each rank's bytes per axis and memory by category beside its ledger (mini_dist/
-gpt_ledger.py: PP b(s/C)h*e per microbatch and chunk each way, DP 2(N-1)/N of the gradients for DDP, ...).
-
-Refused in one line before any process group: zero_bubble with tp, cp or ep > 1 (its W reruns part of a
-block's backward, collectives included) or with --zero 3 (W needs the weights as autograd leaves: FSDP's are
-views of a gathered buffer); --zero 3 with ep > 1 (FSDP shards every unit over dp x cp, experts live on
-dp*cp/ep ranks only; torchtitan gives them a second FSDP mesh).
+one process's, and each rank's bytes per axis and memory by category beside its ledger (gpt_ledger.py).
+Refused before any process group: zero_bubble with tp, cp or ep > 1 (its W reruns part of a block's backward,
+collectives included) or with --zero 3 (W needs the weights as autograd leaves, FSDP's are views); --zero 3
+with ep > 1 (FSDP shards every unit over dp x cp; torchtitan gives experts a second FSDP mesh).
 
     torchrun --standalone --nproc_per_node=8 mini_dist/train_5d.py --dp 2 --pp 2 --tp 2
     torchrun --standalone --nproc_per_node=8 mini_dist/train_5d.py --dp 2 --pp 2 --cp 2 --moe 4 --ep 2
@@ -171,8 +168,7 @@ def train_5d(cfg: Config, mesh: Mesh, steps: int, microbatches: int = 1, schedul
             optimizer.zero_grad()
         # the mean loss over the dp x cp ranks, to every rank (one TP rank per last stage speaks); not counted
         mine = loss.item() / (grid.dp * grid.cp) if last and mesh.tp_rank == 0 else 0.0
-        mine = torch.tensor([mine], dtype=torch.float64, device=launch.device())
-        dist.all_reduce(mine)
+        dist.all_reduce(mine := torch.tensor([mine], dtype=torch.float64, device=launch.device()))
         losses.append(mine.item())
     layout = [[kind(layer) for layer in c] for c in trainer.chunks]
     stages = [c * grid.pp + mesh.pp_rank for c in range(chunks)]
@@ -236,10 +232,8 @@ def predictions(run: Run, cfg: Config, mesh: Mesh, microbatches: int, schedule: 
 
 def five_axes(mesh: Mesh | None = None, cfg: Config | None = None, run: Run | None = None,
               reference: list | None = None) -> tuple[str, bool]:
-    """Question 27: the axes multiply into one grid, the chattiest innermost, and together train like one
-    process. `run` (else one step of a tiny GPT on `mesh`, else on the world as dp x tp 2) beside `reference`
-    (else train_dense): the loss, this rank's bytes per axis; the groups of a 2 x 2 x 2 x 2 grid; and a 7B
-    model's TP and DP bytes per step (mini_dist/cost_model.py)."""
+    """Question 27: the axes multiply, the chattiest innermost, and train like one process: `run` (else a step
+    on `mesh`, else dp x tp 2) beside `reference`; a 2x2x2x2 grid's groups; a 7B model's TP and DP bytes."""
     mesh = mesh or Mesh(dp=dist.get_world_size() // 2, tp=2)
     cfg = cfg or Config(vocab=padded_vocab(mesh.grid.tp), layers=2, hidden=16, heads=2, seq=8, batch=2 * mesh.grid.dp)
     run = run or train_5d(cfg, mesh, steps=1)
@@ -261,9 +255,9 @@ def five_axes(mesh: Mesh | None = None, cfg: Config | None = None, run: Run | No
 
 def parser():
     p = launch.demo_parser(__doc__)
-    for axis, what in (("dp", "data-parallel replicas"), ("pp", "pipeline stages"), ("cp", "context-parallel ranks"),
-                       ("tp", "tensor-parallel ranks")):
-        p.add_argument(f"--{axis}", type=int, help=f"{what} (default: tp 2, cp 1, pp 2 if the world allows, dp the rest)")
+    for axis in ("dp", "pp", "cp", "tp"):
+        p.add_argument(f"--{axis}", type=int, help=f"{axis} degree (default: tp 2, cp 1, pp 2 if the world allows, "
+                                                   "dp the rest)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, a divisor of dp x cp (needs --moe)")
     p.add_argument("--moe", type=int, default=0, help="E experts per block, top-2 routing (0: an MLP)")
     p.add_argument("--microbatches", type=int, default=2, help="M per replica (the global batch: a multiple of dp x M)")
@@ -290,9 +284,8 @@ def demo(args) -> int:
     dp_axis = ("DDP inside the pipeline", "ZeRO-1", "ZeRO-2", "FSDP")[args.zero]
     launch.print0(f"{grid.picture()}\ntiny GPT: {cfg.layers} blocks, h={cfg.hidden}, {cfg.heads} heads, s={cfg.seq}, "
                   f"V={cfg.vocab}, {f'MoE {cfg.experts} experts top-{cfg.top_k}' if cfg.experts else 'MLP'}"
-                  f"{', checkpointed blocks' * cfg.checkpoint}; {args.schedule}"
-                  f"{f' x {args.chunks} chunks' * (args.chunks > 1)}, M={M}; {dp_axis} over dp x cp = "
-                  f"{grid.dp * grid.cp}; Adam, fp64; global batch {cfg.batch} (at least 8, a multiple of dp x M)")
+                  f"{', checkpointed' * cfg.checkpoint}; {args.schedule}{f' x {args.chunks}' * (args.chunks > 1)}, "
+                  f"M={M}; {dp_axis} over dp x cp = {grid.dp * grid.cp}; Adam, fp64; global batch {cfg.batch} seqs")
     run = train_5d(cfg, mesh, args.steps, M, args.schedule, args.zero, args.chunks)
     reference = train_dense(cfg, args.steps)
     figure, holds = five_axes(mesh, cfg, run, reference)  # the loss beside one process's, within 1e-13
@@ -304,9 +297,8 @@ def demo(args) -> int:
     if args.zero == 0:  # DDP's ring chunks may be uneven: its formula is the dp x cp group's average
         dist.all_reduce(t := torch.tensor([got["dp"]], device=launch.device()), group=mesh.dp_cp_group)
         got["dp"] = Fraction(int(t.item()), grid.dp * grid.cp)
-    cuda = launch.device().type == "cuda"
-    rows = [None] * world
-    dist.all_gather_object(rows, (got, traffic, run.memory, memory, torch.cuda.max_memory_allocated() if cuda else 0))
+    cuda, rows = launch.device().type == "cuda", [None] * world
+    dist.all_gather_object(rows, (got, traffic, run.memory, memory, cuda and torch.cuda.max_memory_allocated()))
     exact = all(r[0] == r[1] and r[2] == r[3] for r in rows)
     launch.print0("bytes each rank sent in the last step, by axis: measured = ledger (mini_dist/gpt_ledger.py; DP: "
                   "the DDP group's average)\n" + side_by_side([r[:2] for r in rows], AXES) + "\nbytes each rank "

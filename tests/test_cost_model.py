@@ -42,13 +42,14 @@ def test_3b_adam_mixed_precision_needs_48_gb():
     assert sum(model_state_bytes(3 * B, 1, 0)) == 48 * B
 
 
+@pytest.mark.exercise
 @pytest.mark.single_process
 @given(n=st.integers(1, 64), chunk=st.integers(0, 10 ** 6), elem=st.sampled_from([1, 2, 4, 8]))
 def test_ring_all_reduce_sends_2_n_minus_1_over_n_times_d_per_rank(n, chunk, elem):
-    d = n * chunk * elem
-    assert collective_bytes("all_reduce", n * chunk, n, elem) * n == 2 * (n - 1) * d
-    half = collective_bytes("reduce_scatter", n * chunk, n, elem)
-    assert 2 * half == collective_bytes("all_reduce", n * chunk, n, elem)  # = reduce-scatter + all-gather
+    d, got = n * chunk * elem, cost_model.collective_bytes("all_reduce", n * chunk, n, elem)
+    assert got * n == 2 * (n - 1) * d, f"all_reduce of D = {d} B over {n} ranks: {got} B per rank, want 2(N-1)/N D"
+    half = cost_model.collective_bytes("reduce_scatter", n * chunk, n, elem)
+    assert 2 * half == got, f"reduce_scatter of D = {d} B over {n} ranks: {half} B, want half the all-reduce's {got}"
 
 
 @pytest.mark.single_process
@@ -68,14 +69,16 @@ def test_zero2_sends_the_same_bytes_as_ddp_not_fewer(numel, k, m, precision):
 # ----------------------------------------------------------------------------- the papers' formulas
 
 
+@pytest.mark.exercise
 @pytest.mark.single_process
 @given(per_rank=st.integers(1, 10 ** 10), k=st.integers(1, 1024))
 def test_zero_stages_match_the_zero_paper_for_mixed_and_fp32_adam(per_rank, k):
     n = per_rank * k
-    mixed = [sum(model_state_bytes(n, k, z, "bf16", "adam")) for z in range(4)]
-    assert mixed == [16 * n, 4 * n + 12 * n // k, 2 * n + 14 * n // k, 16 * n // k]
-    fp32 = [sum(model_state_bytes(n, k, z, "fp32", "adam")) for z in range(4)]
-    assert fp32 == [16 * n, 8 * n + 8 * n // k, 4 * n + 12 * n // k, 16 * n // k]
+    for precision, want in (("bf16", [16 * n, 4 * n + 12 * n // k, 2 * n + 14 * n // k, 16 * n // k]),
+                            ("fp32", [16 * n, 8 * n + 8 * n // k, 4 * n + 12 * n // k, 16 * n // k])):
+        for zero, bytes_ in enumerate(want):
+            got = sum(cost_model.model_state_bytes(n, k, zero, precision, "adam"))
+            assert got == bytes_, f"{precision} Adam, N = {n}, K = {k}, stage {zero}: {got} B per rank, want {bytes_}"
 
 
 def test_zero_paper_figure_1_for_7_5b_parameters_on_64_gpus():

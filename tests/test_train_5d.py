@@ -81,8 +81,8 @@ def formula_bytes(res, cfg, grid, M, zero):
             "ep": (E > 1) * 2 * again * rows * h * e}
 
 
-def check(grid, M=2, schedule="1f1b", zero=0, chunks=1, experts=0, checkpoint=False, layers=4, seed=0, math_kernel=False,
-          **shape):
+def check(grid, M=2, schedule="1f1b", zero=0, chunks=1, experts=0, checkpoint=False, layers=4, seed=0,
+          math_kernel=False, **shape):
     cfg = Config(vocab=padded_vocab(grid.tp), layers=layers, batch=grid.dp * M * 2, experts=experts,
                  checkpoint=checkpoint, seed=seed, **shape)
     assert configuration_error(cfg, grid, M, schedule, chunks, zero) is None
@@ -228,7 +228,8 @@ def test_three_ranks_odd_degrees_train_like_one_process(case):
     check(**case)
 
 
-@pytest.mark.parametrize("dims, schedule", [((1, 2, 1, 2), "1f1b"), ((2, 2, 1, 1), "gpipe")], ids=["pp2xtp2", "dp2xpp2"])
+@pytest.mark.parametrize("dims, schedule", [((1, 2, 1, 2), "1f1b"), ((2, 2, 1, 1), "gpipe")],
+                         ids=["pp2xtp2", "dp2xpp2"])
 def test_the_math_attention_kernel_cudas_for_fp64_keeps_the_ledgers_peak_exact(dims, schedule):
     """Under SDPA's math kernel (forced here on the CPU) attention keeps its probabilities: a bigger peak of
     saved bytes, still the ledger's, whatever the schedule keeps alive."""
