@@ -209,7 +209,7 @@ def global_batch(B: int = 16) -> tuple[str, bool]:
     global batch of N*B, whose gradient noise is N times smaller. Collective: every rank of the default group."""
     N, r, replicas = dist.get_world_size(), dist.get_rank(), {}
     x, y = _batch(B, 8, 0), _batch(B, 4, 1)
-    for n in sorted({1, 2, N} & set(range(1, N + 1))):
+    for n in (sizes := sorted({1, 2, N} & set(range(1, N + 1)))):
         group = launch.new_group(range(n))
         if r < n:
             model = DistributedDataParallel(models.mlp([8, 16, 4]).to(launch.device()), group=group)
@@ -223,9 +223,9 @@ def global_batch(B: int = 16) -> tuple[str, bool]:
     draw = lambda b: per_sample[torch.randperm(4096, generator=g)[:b]].mean(0)  # cpu: a batch of b, as data
     noise = {b: torch.stack([(draw(b) - per_sample.mean(0)).square().sum() for _ in range(400)]).mean().item()
              for b in (B, N * B)}
-    return (f"a global batch of {B} on 1, 2 or {N} ranks: the same gradient to {same:.0e}; {N} ranks x {B} samples "
-            f"is a global batch of {N * B}: the gradient's noise (mean squared distance from the full-data "
-            f"gradient) falls {noise[B] / noise[N * B]:.1f}x, and an epoch takes {N}x fewer steps"), \
+    return (f"a global batch of {B} on {' or '.join(map(str, sizes))} ranks: the same gradient to {same:.0e}; {N} "
+            f"ranks x {B} samples is a global batch of {N * B}: the gradient's noise (mean squared distance from the "
+            f"full-data gradient) falls {noise[B] / noise[N * B]:.1f}x, and an epoch takes {N}x fewer steps"), \
         same <= 1e-12 and 0.75 * N < noise[B] / noise[N * B] < 1.25 * N
 
 

@@ -137,13 +137,12 @@ def demo(args) -> int:
     want |= {k: [4 * S, 4 * S, 8 * mine, peaks[k]] for k in kinds}
     launch.print0(f"fp32 Adam, K = {K}, N = {N:,} parameters (N' = {K * S:,} padded); bytes per rank (rank 0; "
                   f"every rank checked), bytes sent per rank per step (mean over ranks)\n"
-                  f"{'':14}{'params':>12}{'grads':>12}{'Adam state':>13}{'gathered':>12}{'total':>13}"
-                  f"{'sent':>13}")
+                  f"{'':14}" + "".join(f"{c:>14}" for c in ("params", "grads", "Adam state", "gathered", "total",
+                                                             "sent")))
     for k, m in memory.items():
         got = [m["params"], m["grads"], m["state"], m["gathered"]]
         exact &= got == want[k]
-        launch.print0(f"{k:14}" + "".join(f"{v:>10,} B" for v in got[:3]) + f"{got[3]:>11,} B{sum(got):>11,} B"
-                      f"{sent[k]:>11,.0f} B")
+        launch.print0(f"{k:14}" + "".join(f"{v:>12,} B" for v in [*got, sum(got)]) + f"{sent[k]:>12,.0f} B")
     saved = 1 - (sum(want["FSDP prefetch"][:3])) / sum(want["DDP"][:3])
     launch.print0(f"the saving FSDP exists for: gradients and Adam state, {want['DDP'][1] + want['DDP'][2]:,} B "
                   f"per rank under DDP, {4 * S + 8 * mine:,} B sharded ({100 * saved:.0f}% of DDP's params, grads "

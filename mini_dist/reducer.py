@@ -290,7 +290,7 @@ def demo(args) -> int:
     launch.setup()
     for cap in args.bucket_cap_mb:
         figure, holds = buckets_hide_communication(cap, w, args.batch, args.ring, picture=True)
-        launch.print0(f"\ncap {cap:g} MiB: {figure}")
+        launch.print0(f"\n{figure}")
         every &= holds
     return launch.conclude("reducer", every, "buckets = torch's assignment; .grad = the naive sync's mean gradient",
                            every, "bucket 0's all-reduce launched before the last bucket's gradients existed")
