@@ -35,6 +35,7 @@ BAD = {
     "fsdp": (2, ["--depth", "1"], "depth"),
     "fsdp_ledger": (2, ["--depth", "1"], "--depth"),
     "loss_scaling": (2, ["--steps", "0"], "steps"),
+    "manifest": (1, ["--nested", "0"], "--nested"),
     "mesh": (4, ["--pp", "3"], "pp"),
     "mixed_precision": (1, ["--lr", "0"], "--lr"),
     "moe": (1, ["--k", "9"], "--k"),
