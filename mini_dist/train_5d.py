@@ -14,15 +14,13 @@ then data parallelism over the dp x cp ranks, which hold the same weights and sa
 Experts (ep > 1) live on the dp*cp/ep ranks that hold the same ones: ZeroOptimizer over that group, their
 gradients first divided by ep, since each already sums its EP group's tokens. The demo prints the loss beside
 one process's, and each rank's bytes per axis and memory by category beside its ledger (gpt_ledger.py).
-Refused before any process group: zero_bubble with tp, cp or ep > 1 (its W reruns part of a block's backward,
-collectives included) or with --zero 3 (W needs the weights as autograd leaves, FSDP's are views); --zero 3
-with ep > 1 (FSDP shards every unit over dp x cp; torchtitan gives experts a second FSDP mesh).
+Refused: zero_bubble with tp, cp or ep > 1 (W reruns part of a block's backward, collectives included) or
+--zero 3 (W needs leaf weights, FSDP's are views); --zero 3 with ep > 1 (FSDP shards units over dp x cp).
 
     torchrun --standalone --nproc_per_node=8 mini_dist/train_5d.py --dp 2 --pp 2 --tp 2
     torchrun --standalone --nproc_per_node=8 mini_dist/train_5d.py --dp 2 --pp 2 --cp 2 --moe 4 --ep 2
 
-Mirrors torchtitan's composition (FSDP/DDP + TP + PP + context_parallel + expert parallel on a DeviceMesh)
-and Megatron-LM's 3D parallelism with context and expert parallelism.
+Mirrors torchtitan's composition (FSDP/DDP, TP, PP, CP, EP on a DeviceMesh) and Megatron-LM's 3D parallelism.
 """
 import sys
 from dataclasses import dataclass
@@ -65,8 +63,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, mesh: Mesh, microbatches: int, schedule: str, zero: int, chunks: int):
         grid = mesh.grid
-        problem = configuration_error(cfg, grid, microbatches, schedule, chunks, zero)
-        if problem:
+        if problem := configuration_error(cfg, grid, microbatches, schedule, chunks, zero):
             raise ValueError(problem)
         debug.agree("train_5d", (cfg, microbatches, schedule, zero, chunks))  # MINI_DIST_DEBUG=1: odd rank named
         self.cfg, self.mesh, self.zero, P = cfg, mesh, zero, grid.pp
@@ -97,8 +94,7 @@ class Trainer:
         if experts:  # ZeRO at the same stage (0: plain data parallelism) over the ranks with the same experts
             self.optimizers.append(ZeroOptimizer(experts, torch.optim.Adam, stage=min(zero, 2), group=mesh.edp_group,
                                                  collectives="ring", lr=cfg.lr))
-        # per chunk, one entry per forward of each MoE block: (rows it sent to or received from other ranks,
-        # rows its experts received). A block's hook runs once per forward, never in its recomputation
+        # per chunk, each MoE block forward's routed_rows: a block's hook runs once a forward, never in recomputation
         self.routed, me = [[] for _ in self.chunks], mesh.coords["ep_index"]
         for c, chunk in enumerate(self.chunks):
             for block in (b for b in chunk if isinstance(getattr(b, "mlp", None), ExpertParallelMoE)):
@@ -114,8 +110,8 @@ class Trainer:
         return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group).mean()
 
     def step(self, step: int):
-        """One step: the pipeline runs the M microbatches (DDP reducing during each chunk's last backward),
-        then the experts' gradients are scaled and every optimizer steps. Returns (loss, StepStats, peak)."""
+        """M microbatches through the pipeline (DDP reducing in each chunk's last backward), the experts'
+        gradients scaled, every optimizer stepped. Returns (loss, StepStats, peak of saved activation bytes)."""
         ids, targets = local_batch(self.cfg, self.mesh, step)
         peak = PeakSaved(self.parameter_storages)
         with peak.hooks():
@@ -128,8 +124,7 @@ class Trainer:
         return loss, stats, peak.peak
 
     def memory(self) -> dict:
-        """Bytes of this rank's parameters, gradients and optimizer state, from the tensors themselves
-        (memory_ledger leaves out Adam's step counts)."""
+        """Bytes of this rank's parameters, gradients and optimizer state (not Adam's step counts)."""
         params = [p for c in self.stage for p in c.parameters() if not (self.experts and hasattr(p, "ep_dim"))]
         ledgers = [memory_ledger(group, opt) for opt, group in zip(self.optimizers, (params, self.experts))]
         return {key: sum(ledger[key] for ledger in ledgers) for key in ("params", "grads", "state")}
@@ -137,14 +132,12 @@ class Trainer:
 
 @dataclass
 class Run:
-    """What one rank measured: the global loss per step (the same on every rank), its bytes per axis per step,
-    the rows its MoE layers routed, its memory by category, and what the predictions need."""
+    """What one rank measured (the global loss per step is the same on every rank), and what its ledger needs."""
     losses: list
     bytes: list          # per step: {"dp": .., "pp": .., "cp": .., "tp": .., "ep": ..}
     routed: list         # its last step's Trainer.routed: per chunk, per MoE block forward, (off-rank, received)
     memory: dict         # params, grads, state (after the last step), activations (peak of the last step)
     layout: list         # its chunks' layers, e.g. [["embedding", "block"], ["block", "head"]]
-    stages: list         # the virtual stage of each chunk
     local_batch: int
     numels: list         # per layer of its chunks: elements (replicated over dp x cp, experts over edp)
 
@@ -171,8 +164,7 @@ def train_5d(cfg: Config, mesh: Mesh, steps: int, microbatches: int = 1, schedul
         dist.all_reduce(mine := torch.tensor([mine], dtype=torch.float64, device=launch.device()))
         losses.append(mine.item())
     layout = [[kind(layer) for layer in c] for c in trainer.chunks]
-    stages = [c * grid.pp + mesh.pp_rank for c in range(chunks)]
-    return Run(losses, sent, trainer.routed, memory, layout, stages, cfg.batch // grid.dp, trainer.numels)
+    return Run(losses, sent, trainer.routed, memory, layout, cfg.batch // grid.dp, trainer.numels)
 
 
 def train_dense(cfg: Config, steps: int) -> list[float]:
@@ -190,13 +182,9 @@ def train_dense(cfg: Config, steps: int) -> list[float]:
     return losses
 
 
-# ----- guards: what cannot run, said before any process group -----
-
 def configuration_error(cfg: Config, grid, microbatches: int, schedule: str, chunks: int, zero: int) -> str | None:
-    """Why this run cannot be, in one sentence that says what to change, or None. Everything here is known on
-    every rank before any collective (the demo asks before setup)."""
-    inside = model_error(cfg, grid)
-    if inside:
+    """Why this run cannot be, in one sentence that says what to change, or None: known before any collective."""
+    if inside := model_error(cfg, grid):
         return inside
     if cfg.layers + 2 < grid.pp * chunks:
         return (f"--layers {cfg.layers} + embedding + head = {cfg.layers + 2} layers cannot fill {grid.pp} stages x "
@@ -217,11 +205,8 @@ def configuration_error(cfg: Config, grid, microbatches: int, schedule: str, chu
         return str(e)
 
 
-# ----- predictions: every rank's ledger (mini_dist/gpt_ledger.py) -----
-
 def predictions(run: Run, cfg: Config, mesh: Mesh, microbatches: int, schedule: str, zero: int) -> tuple[dict, dict]:
-    """The ledger's bytes per axis (per step) and memory by category for this rank (mini_dist/gpt_ledger.py),
-    from its layers, its coordinates and the rows its MoE layers routed in the last step."""
+    """This rank's ledger (gpt_ledger.py) from its layers, coordinates and the rows its MoE layers routed."""
     g, model = mesh.grid, gpt_ledger.model_of(cfg)
     plan = cost_model.Plan(dp=g.dp, pp=g.pp, cp=g.cp, tp=g.tp, ep=g.ep, zero=zero, checkpoint=cfg.checkpoint,
                            micro_batch=run.local_batch // microbatches, microbatches=microbatches, precision="fp64")
@@ -235,14 +220,14 @@ def five_axes(mesh: Mesh | None = None, cfg: Config | None = None, run: Run | No
     """Question 27: the axes multiply, the chattiest innermost, and train like one process: `run` (else a step
     on `mesh`, else dp x tp 2) beside `reference`; a 2x2x2x2 grid's groups; a 7B model's TP and DP bytes."""
     mesh = mesh or Mesh(dp=dist.get_world_size() // 2, tp=2)
-    cfg = cfg or Config(vocab=padded_vocab(mesh.grid.tp), layers=2, hidden=16, heads=2, seq=8, batch=2 * mesh.grid.dp)
+    g = mesh.grid
+    cfg = cfg or Config(vocab=padded_vocab(g.tp), layers=2, hidden=16, heads=2, seq=8, batch=2 * g.dp)
     run = run or train_5d(cfg, mesh, steps=1)
     diff = max(abs(a - b) for a, b in zip(run.losses, reference or train_dense(cfg, len(run.losses))))
     sent, calls, grid = run.bytes[-1], COUNTER.calls["all_reduce"], RankGrid(dp=2, pp=2, cp=2, tp=2)
     groups = ", ".join(f"{a} {grid.groups(a)[0]}" for a in ("tp", "cp", "pp", "dp"))
     big, plan = cost_model.Model(7 * 10 ** 9, 32, 4096, 32, 4096), cost_model.Plan(8, tp=8, microbatches=8)
     tp, dp = cost_model.tp_traffic(big, plan), sum(cost_model.dp_traffic(big.params // 8, plan).values())
-    g = mesh.grid
     return (f"a tiny GPT on dp {g.dp} x pp {g.pp} x cp {g.cp} x tp {g.tp}: the loss = one process's to {diff:.0e}; "
             f"this rank sent per step TP {sent['tp']:,} B in {calls} blocking all-reduces (forward and backward), DP "
             f"{sent['dp']:,} B once per step, during backward; a 7B model as TP 8 x DP 8, 8 microbatches of 4096 "

@@ -68,14 +68,15 @@ def formula_bytes(res, cfg, grid, M, zero):
     L, ends = layers.count("block"), ("embedding" in layers) + ("head" in layers)
     n_T = (2 if cfg.experts else 4) * again
     rows = sum(off for chunk in r.routed for off, _ in chunk)
-    S, N = P * len(r.stages), grid.dp * C
+    stages = [c * P + res["coords"]["pp"] for c in range(len(r.layout))]  # rank r holds stages r, r + P, ...
+    S, N = P * len(stages), grid.dp * C
     ring = lambda passes, numel, k: passes * (k - 1) * math.ceil(numel / k) * e  # noqa: E731
     D, X = (sum(x[i] for x in r.numels) for i in (0, 1))
     dp = {0: Fraction(2 * (N - 1) * D * e, N), 1: ring(3, D, N), 2: ring(2, D, N),
           3: sum(ring(3 * M, d, N) for d, _ in r.numels)}[zero]
     return {"dp": dp + (X > 0) * ring((2, 3, 2)[min(zero, 2)], X, N // E),
             "pp": (P > 1) * sum(M * n * h * e * ((j < S - 1) + (j > 0)) + 8 * HEADER_LEN * (j < S - 1)
-                                for j in r.stages),
+                                for j in stages),
             "cp": (C > 1) * M * (8 if cfg.checkpoint else 6) * (C - 1) * L * n * (h // T) * e,
             "tp": (T > 1) * M * n * e * ((n_T * L + ends) * h + 3 * ("head" in layers)),
             "ep": (E > 1) * 2 * again * rows * h * e}
