@@ -7,6 +7,7 @@ an unknown question is one line and exit status 2, a figure that does not hold (
 exit status 1, a rank pool that fails or runs out of time is reported rather than waited for, and the
 markdown page lists every question with its command.
 """
+import importlib
 import os
 import subprocess
 
@@ -34,6 +35,8 @@ def test_the_questions_are_numbered_1_to_n_and_each_names_a_demo_that_exists():
     for q in questions.QUESTIONS.values():
         words = q.command.split()
         assert words[:2] == ["./run.sh", "demo"] and os.path.exists(os.path.join(ROOT, "mini_dist", f"{words[2]}.py"))
+        module, function = q.measure.rsplit(".", 1)
+        assert callable(getattr(importlib.import_module(f"mini_dist.{module}"), function)), q.measure
         assert 50 <= len(q.answer.split()) <= 120, (q.number, q.answer)  # a few sentences, not an essay
 
 
@@ -75,32 +78,35 @@ def test_without_a_number_every_question_is_listed(monkeypatch, capsys):
 
 
 def test_a_figure_that_does_not_hold_or_a_measure_that_fails_is_exit_status_1(monkeypatch, capsys):
-    q = questions.QUESTIONS[14]
-    monkeypatch.setitem(questions.QUESTIONS, 14, q.__class__(**{**q.__dict__, "measure": lambda: ("0.5", False)}))
+    real = questions.measure
+    monkeypatch.setattr(questions, "measure", lambda n: ("0.5", False) if n == 14 else real(n))
     assert command_line(["14"], monkeypatch) == 1
     assert "OFF: 0.5" in capsys.readouterr().out
 
-    def broken():
-        raise ZeroDivisionError("a formula divides by zero")
-    monkeypatch.setitem(questions.QUESTIONS, 14, q.__class__(**{**q.__dict__, "measure": broken}))
+    def broken(n):
+        if n == 14:
+            raise ZeroDivisionError("a formula divides by zero")
+        return real(n)
+    monkeypatch.setattr(questions, "measure", broken)
     assert command_line(["14", "15"], monkeypatch) == 1
     captured = capsys.readouterr()
     assert "could not measure: ZeroDivisionError: a formula divides by zero" in captured.out
-    assert "measured: P = 4, M = 8" in captured.out and "figures off: questions 14" in captured.err
+    assert "measured: " in captured.out and "figures off: questions 14" in captured.err
 
 
 def test_ranks_that_fail_or_run_out_of_time_are_reported_not_waited_for(monkeypatch):
     ranks = questions.Ranks()
     try:
-        with pytest.raises(RuntimeError, match="rank 0: KeyError: 99"):
+        with pytest.raises(RuntimeError, match="rank 0 failed: KeyError: 99"):
             ranks.ask(99)  # every rank raises: a number with no question
-        assert not ranks.procs  # the pool is gone; the next question starts a fresh one
         monkeypatch.setattr(questions, "QUESTION_TIMEOUT_S", 0.01)
-        with pytest.raises(RuntimeError, match="rank 0: no answer after 0.01 s"):
+        with pytest.raises(RuntimeError, match="rank 0: no answer"):
             ranks.ask(4)
-        assert not ranks.procs
+        monkeypatch.setattr(questions, "QUESTION_TIMEOUT_S", 90)
+        figure, holds = questions.combine(ranks.ask(4))  # the pool started afresh and answers
+        assert holds, figure
     finally:
-        ranks.stop(graceful=False)
+        ranks.stop()
 
 
 def test_the_markdown_page_lists_every_question_with_its_answer_command_and_figure(monkeypatch, capsys):
