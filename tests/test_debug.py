@@ -15,7 +15,7 @@ from mini_dist.kit import debug
 
 
 def tokens(shape):
-    b, t = torch.meshgrid(torch.arange(shape[0]), torch.arange(shape[1]), indexing="ij")
+    b, t = torch.meshgrid(torch.arange(shape[0]), torch.arange(shape[1]), indexing="ij")  # cpu: token ids, moved below
     return (10.0 * b + t).unsqueeze(-1).expand(*shape, 4).to(device())
 
 
