@@ -191,9 +191,11 @@ def local_batch(cfg: Config, mesh: Mesh, step: int) -> tuple[torch.Tensor, torch
 def average_gradients(model, mesh: Mesh) -> None:
     """Plain data parallelism (train_5d.py overlaps it): each gradient averaged over the dp x cp ranks, which
     saw other tokens; an expert's already sums its EP group's tokens: its replicas (edp) sum theirs, / dp*cp."""
+    # exercise: sum each gradient over its group (edp for an expert, which has ep_dim; dp_cp else), / (dp x cp)
     n = mesh.grid.dp * mesh.grid.cp
     for p in model.parameters():
-        p.grad = all_reduce(p.grad, mesh.edp_group if hasattr(p, "ep_dim") else mesh.dp_cp_group) / n  # expert?
+        p.grad = all_reduce(p.grad, mesh.edp_group if hasattr(p, "ep_dim") else mesh.dp_cp_group) / n
+    # end exercise
 
 
 def kind(layer) -> str:

@@ -22,7 +22,7 @@ from harness import run
 from mini_dist import parallel_gpt
 from mini_dist.kit import launch
 from mini_dist.mesh import Mesh, RankGrid
-from mini_dist.parallel_gpt import Config, configuration_error, padded_vocab, step_against_dense
+from mini_dist.parallel_gpt import Config, configuration_error, padded_vocab
 
 TOL = 1e-12
 _meshes = {}
@@ -37,7 +37,7 @@ def mesh_for(grid: RankGrid) -> Mesh:
 
 def on_ranks(grid, cfg, math_kernel=False):
     with sdpa_kernel(SDPBackend.MATH) if math_kernel else contextlib.nullcontext():
-        worst, traffic, memory = step_against_dense(cfg, mesh_for(grid))
+        worst, traffic, memory = parallel_gpt.step_against_dense(cfg, mesh_for(grid))  # the module's, at call time
     return worst, traffic, memory, dist.get_rank()
 
 
@@ -53,7 +53,7 @@ def check(dp, cp, tp, ep=1, experts=0, checkpoint=False, seed=0, seq=16, math_ke
     assert configuration_error(cfg, grid) is None
     results = run(grid.size, on_ranks, grid, cfg, math_kernel)
     for worst, (sent, formula), (held, planned), rank in results:
-        assert worst <= TOL, (rank, worst)
+        assert worst <= TOL, f"rank {rank}: the loss or a gradient differs from the dense GPT's by {worst:.1e}"
         assert sent == formula, rank
         assert held == planned, rank
     return results
@@ -62,6 +62,7 @@ def check(dp, cp, tp, ep=1, experts=0, checkpoint=False, seed=0, seq=16, math_ke
 CASES = [(d, c, t) for world in (1, 2, 4) for d, c, t in factorisations(world)]
 
 
+@pytest.mark.exercise
 @pytest.mark.parametrize("dp,cp,tp", CASES, ids=[f"dp{d}xcp{c}xtp{t}" for d, c, t in CASES])
 def test_every_factorisation_equals_the_dense_gpt_and_moves_the_formula_bytes(dp, cp, tp):
     # experts on every other case, spread over the largest expert group dp x cp allows; recomputation on a third
