@@ -39,7 +39,7 @@ def everyone_rejects():
 
 
 def draw(seed):
-    return torch.randn(3, generator=rank_generator(seed)).tolist()
+    return torch.randn(3, generator=rank_generator(seed)).tolist()  # cpu: numbers handed back to the test
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
