@@ -62,6 +62,9 @@ BAD = {
     "zero": (2, ["--steps", "0"], "steps"),
     "zero_ledger": (2, ["--widths", "0"], "--widths"),
     "kit.debug": (1, [], "2 or more ranks"),
+    "nccl_order": (1, [], "2 or more ranks"),
+    "pipeline_agreement": (1, [], "at least 2 ranks"),
+    "pipeline_stages": (4, ["--layers", "3"], "--layers"),
     "kit.measure": (1, ["--width", "0"], "--width"),
 }
 WITHOUT_BAD_CONFIGURATION = {"kit.launch"}  # it runs on any world size and has no flags to get wrong

@@ -28,8 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 WORKSPACE = os.path.join(ROOT, "exercises")
 START, END = re.compile(r"^(\s*)# exercise: (.+)$"), re.compile(r"^\s*# end exercise\s*$")
 ALSO_TESTED_BY = {"reducer": ["ddp"]}  # the bucket hook's averages are pinned by DDP against native DDP
-ORDER = ["ring_allreduce", "comm", "tensor_parallel", "ddp", "reducer", "zero", "fsdp", "loss_scaling",
-         "activation_checkpoint", "pipeline_schedules", "context_parallel", "expert_parallel", "moe"]
+ORDER = ["ring_allreduce", "comm", "tensor_parallel", "reducer", "zero", "fsdp", "checkpoint", "reshard",
+         "loss_scaling", "activation_checkpoint", "pipeline_schedules", "context_parallel", "expert_parallel",
+         "mesh", "cost_model", "parallel_gpt"]
 
 
 def regions(source: str) -> list[tuple[int, int, str, str]]:
@@ -127,7 +128,7 @@ def check(module: str, workspace: str = WORKSPACE, demo: bool = True) -> int:
     if result.returncode == 5:
         print(f"check: no property of {module} is marked @pytest.mark.exercise", flush=True)
     if demo and status == 0:
-        ranks = "1" if module in ("loss_scaling", "activation_checkpoint", "moe") else "4"
+        ranks = "1" if module in ("activation_checkpoint", "cost_model") else "4"
         run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                               path], cwd=ROOT, env=env, capture_output=True, text=True)
         summary = [line for line in run.stdout.splitlines() if line.startswith("SUMMARY|")]
