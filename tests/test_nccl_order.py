@@ -3,9 +3,11 @@
 First the replay itself, on traces written by hand (single process): the receive-first pair and the
 send-first ring are cycles and are named; batched, they complete; ranks that reach collectives in another
 order hang. Then real runs on gloo, recorded and replayed: the planted receive-first swap (which gloo
-completes) is caught, and every module that uses point-to-point (ring all-reduce and its relatives, the
-topology all-reduces, the pipeline schedules, ring attention, the expert all-to-all) completes under NCCL's
-rule at world sizes 2 to 4.
+completes) is caught, and the ring collectives and the topology all-reduces complete under NCCL's rule at
+world sizes 2 to 4. The other modules that use point-to-point are replayed beside their own properties:
+ring attention (test_context_parallel.py), the expert all-to-all (test_expert_parallel.py) and every
+pipeline schedule (test_pipeline.py, where the interleaved and zero-bubble schedules with two chunks per
+rank are still a cycle, marked as the expected failure they are until their sends go both ways at once).
 """
 import pytest
 import torch
