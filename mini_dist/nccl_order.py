@@ -25,8 +25,8 @@ here is safe whichever communicator torch picks.
     torchrun --standalone --nproc_per_node=2 mini_dist/nccl_order.py      # the planted cycle, caught; its cure
 
 The tests replay every module that uses point-to-point: the rings and topology (tests/test_nccl_order.py),
-ring attention, the expert all-to-all and the pipeline schedules (beside their own properties). Mirrors NCCL's point-to-point semantics (ncclSend/ncclRecv,
-ncclGroupStart/End) and torch.distributed.batch_isend_irecv.
+ring attention, the expert all-to-all and the pipeline schedules (beside their own properties). Mirrors
+NCCL's point-to-point semantics (ncclSend/ncclRecv, ncclGroupStart/End) and torch's batch_isend_irecv.
 """
 import contextlib
 import inspect
