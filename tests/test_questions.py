@@ -43,7 +43,7 @@ def test_the_questions_are_numbered_1_to_n_and_each_names_a_demo_that_exists():
 def run_sh(*args):
     environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                                   "MASTER_PORT", "MASTER_ADDR")}
-    return subprocess.run([os.path.join(ROOT, "run.sh"), "ask", *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([os.path.join(ROOT, "run.sh"), "ask", *args], capture_output=True, text=True, timeout=900,
                           env=environment)
 
 
