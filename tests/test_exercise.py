@@ -67,8 +67,7 @@ def check(module, workspace, source):
 
 
 PLANTED = {  # module: (the reference's text, the classic mistake, a word the failing property's line says)
-    "ring_allreduce": ("send, mine = chunks[(r + 1 + s) % n], chunks[(r + 2 + s) % n]",
-                       "send, mine = chunks[(r + 1 + s) % n], chunks[(r + 1 + s) % n]", "FAIL"),
+    "ring_allreduce": ("reduce_into(mine, incoming, op)", "reduce_into(send, incoming, op)", "FAIL"),  # chunk r+1+s
     "reducer": ("torch.mul(p.grad, 1.0 / self.world, out=bucket.views[i])", "bucket.views[i].copy_(p.grad)", "FAIL"),
     "fsdp": ('self._before_compute(unit, "backward", self._finished[::-1])', "pass", "FAIL"),
     "pipeline_schedules": ("min(P - s - 1, M)", "min(P - s, M)", "FAIL"),
