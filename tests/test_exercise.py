@@ -67,7 +67,6 @@ def check(module, workspace, source):
 
 
 PLANTED = {  # module: (the reference's text, the classic mistake, a word the failing property's line says)
-    "ring_allreduce": ("reduce_into(mine, incoming, op)", "reduce_into(send, incoming, op)", "FAIL"),  # chunk r+1+s
     "reducer": ("torch.mul(p.grad, 1.0 / self.world, out=bucket.views[i])", "bucket.views[i].copy_(p.grad)", "FAIL"),
     "fsdp": ('self._before_compute(unit, "backward", self._finished[::-1])', "pass", "FAIL"),
     "pipeline_schedules": ("min(P - s - 1, M)", "min(P - s, M)", "FAIL"),
