@@ -136,8 +136,9 @@ def fitted_links(slow_us: float, slow_mbps: float, group=None) -> dict:
 # ----------------------------------------------------------------------------- demo
 
 
-def parser():
-    p = launch.demo_parser(__doc__)
+def parser(doc: str = __doc__):
+    """The nodes and the simulated slow link, shared with topology's demo (which prices and times the same)."""
+    p = launch.demo_parser(doc)
     p.add_argument("--ranks-per-node", type=int, default=2, help="G: consecutive ranks that share a node")
     p.add_argument("--slow-link-us", type=float, default=300.0,
                    help="SIMULATED extra latency of every inter-node message, microseconds (0: none)")

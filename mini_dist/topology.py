@@ -37,6 +37,7 @@ if not __package__:  # run as `torchrun mini_dist/topology.py`: Python put mini_
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.alpha_beta import (crossovers, fitted_links, link_bytes, predict, real_rank,  # noqa: F401
                                   schedule, winners)
+from mini_dist import alpha_beta
 from mini_dist.kit import launch
 from mini_dist.kit.timing import median, timed
 from mini_dist.ring_allreduce import ring_all_gather, ring_all_reduce, ring_reduce_scatter
@@ -224,13 +225,7 @@ def slow_link_bytes(ranks_per_node: int = 2, numel: int = 1 << 14) -> tuple[str,
 # ----------------------------------------------------------------------------- demo
 
 def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--ranks-per-node", type=int, default=2, help="G: consecutive ranks that share a node")
-    p.add_argument("--slow-link-us", type=float, default=300.0,
-                   help="SIMULATED extra latency of every inter-node message, microseconds (0: none)")
-    p.add_argument("--slow-link-mbps", type=float, default=100.0,
-                   help="SIMULATED inter-node bandwidth cap, MB/s, on top of the real link (0: no cap)")
-    p.add_argument("--sizes-kib", type=int, nargs="+", default=[1, 8, 64, 512, 4096], help="message sizes")
+    p = alpha_beta.parser(__doc__)
     p.add_argument("--repeats", type=int, default=5, help="timed calls per algorithm and size (median)")
     return p
 
