@@ -261,12 +261,13 @@ def memory_and_compute(rows=None) -> tuple[str, bool]:
         all(same.values()) and all(r["diff"] == 0 for r in rows.values())
 
 
-def parser():
-    p = launch.demo_parser(__doc__)
-    for flag, default, text in [("layers", 16, "L, transformer layers"), ("batch", 2, "b, sequences"),
-                                ("segments", 0, "k for checkpoint_sequential (0: round(sqrt(L)))"),
-                                ("seq", 64, "s, tokens"), ("hidden", 64, "h"), ("heads", 4, "a"), ("seed", 0, ""),
-                                ("dropout", 0.1, "dropout probability (masks are recomputed)")]:
+def parser(doc: str = __doc__, layers: int = 16, segments: bool = True):
+    """The tiny transformer's flags, shared with selective_checkpoint's demo."""
+    p = launch.demo_parser(doc)
+    flags = [("layers", layers, "L, transformer layers"), ("batch", 2, "b, sequences")]
+    flags += [("segments", 0, "k for checkpoint_sequential (0: round(sqrt(L)))")] if segments else []
+    for flag, default, text in flags + [("seq", 64, "s, tokens"), ("hidden", 64, "h"), ("heads", 4, "a"),
+                                        ("seed", 0, ""), ("dropout", 0.1, "dropout probability (masks are recomputed)")]:
         p.add_argument(f"--{flag}", type=type(default), default=default, help=text)
     return p
 

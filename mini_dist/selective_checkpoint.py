@@ -76,12 +76,7 @@ def strategies(L: int, k: int, s: int, h: int) -> list:
 
 
 def parser():
-    p = launch.demo_parser(__doc__)
-    for flag, default, text in [("layers", 8, "L, transformer layers"), ("batch", 2, "b, sequences"),
-                                ("seq", 64, "s, tokens"), ("hidden", 64, "h"), ("heads", 4, "a"), ("seed", 0, ""),
-                                ("dropout", 0.1, "dropout probability (masks are recomputed)")]:
-        p.add_argument(f"--{flag}", type=type(default), default=default, help=text)
-    return p
+    return activation_checkpoint.parser(__doc__, layers=8, segments=False)
 
 
 def demo(args) -> int:
