@@ -10,7 +10,9 @@ parameters' gradients over the M microbatches. Only neighbours talk, M messages 
 What each rank runs when is a schedule, data built in mini_dist/pipeline_schedules.py (read it first); the
 share of a step ranks wait while the pipe fills and drains, (P-1)/(M+P-1) for GPipe and 1F1B, is
 mini_dist/pipeline_bubble.py. One executor runs every schedule: each action calls the method of its name;
-a send never blocks (isend), a receive waits for its message (irecv). For zero bubble's split backward, the
+a send never blocks (isend), a receive waits for its message (irecv). NCCL runs a rank's messages one at a
+time, in the order posted: there every rank posts them in one order all ranks share (`message_order`, in
+mini_dist/pipeline_agreement.py), which cannot wait in a cycle. For zero bubble's split backward, the
 forward cuts the graph at each layer's output: B keeps those outputs' gradients, W starts from them.
 The ranks first agree on the step (mini_dist/pipeline_agreement.py). Inside data parallelism, a chunk's
 weight gradients are reduced once per step (DDP's `no_sync` but for its last microbatch). VERBOSE=1 prints
@@ -34,7 +36,7 @@ from torch import nn
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.kit import debug, launch
-from mini_dist.pipeline_agreement import agree_on_step
+from mini_dist.pipeline_agreement import agree_on_step, message_order
 from mini_dist.pipeline_schedules import (COMPUTE, FREES, SCHEDULES, Event, Schedule, route, schedules_for,
                                           torch_schedule)
 from mini_dist.pipeline_stages import pipeline_chunks
@@ -59,8 +61,6 @@ def pipeline_step(stage, schedule: Schedule, inputs=None, targets=None, loss_fn=
     for action in run.actions:
         (op, m, c), start = action, time.perf_counter() - t0
         if op in COMPUTE:
-            if not launch.nccl(group):  # gloo: what is done goes before we compute, alone; NCCL runs a rank's
-                run.post()              # messages in order: a send waits to go in one batch with the next receive
             getattr(run, op)(m, c)
         else:
             (run.send if op.startswith("send") else run.recv)(action)
@@ -70,7 +70,9 @@ def pipeline_step(stage, schedule: Schedule, inputs=None, targets=None, loss_fn=
         run.in_flight = [sent for sent in run.in_flight if not sent[0].is_completed()]
         run.stats.peak_live = max(run.stats.peak_live, len(run.layers))
         run.stats.events.append(Event(op, m, c, start, time.perf_counter() - t0))
-    run.post()
+    run.take_turns()
+    if run.held:  # message_order was computed from another schedule
+        raise RuntimeError(f"rank {run.ranks[run.rank]} never reached the turn of {list(run.held)}")
     for work, _, peer in run.in_flight:
         run.wait(work, peer, "a send")
     return run.loss, run.stats
@@ -98,7 +100,8 @@ class Executor:
         self.x, self.layers, self.dy, self.dx, self.w_grads = {}, {}, {}, {}, {}
         self.shapes, self.announced = {}, set()  # activation shapes received; stages told their shape
         self.local, self.loss = deque(), None  # messages to itself (one rank, several chunks)
-        self.pending, self.in_flight, self.stats = [], [], StepStats()
+        self.held, self.in_flight, self.stats = {}, [], StepStats()  # sends not yet posted; posted, not done
+        self.order = deque(message_order(schedule)[self.rank]) if launch.nccl(group) else None
 
     def stage(self, c: int) -> int:
         return c * self.P + self.rank
@@ -151,28 +154,33 @@ class Executor:
         peer, message = route(action, self.rank, self.P, self.S)
         if peer == self.rank:  # one rank holding several chunks: the message stays here
             return self.local.append(tensor)
-        first = message[0] == "act" and message[2] not in self.announced
+        first, tensors = message[0] == "act" and message[2] not in self.announced, [tensor.contiguous()]
         if first or debug.DEBUG:  # the receiver learns the shape; in debug mode it checks every message
             self.announced.add(message[2])
             values = [KINDS.index(message[0]), *message[1:], DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-            self.post_send(torch.tensor(values + [0] * (HEADER_LEN - len(values)), device=launch.device()), peer,
-                           counted=first)
-        self.post_send(tensor.contiguous(), peer)
+            tensors.insert(0, torch.tensor(values + [0] * (HEADER_LEN - len(values)), device=launch.device()))
+        self.stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors[len(tensors) - 1 - first:])
+        self.held[message] = peer, tensors
+        self.take_turns()
 
-    def post_send(self, tensor, peer, counted=True):
-        self.stats.bytes_sent += tensor.numel() * tensor.element_size() * counted
-        self.pending.append(dist.P2POp(dist.isend, tensor, group=self.group, group_peer=peer))
+    def take_turns(self, until=None):
+        """Post the held sends: on gloo at once, on NCCL in their turn in `message_order` (up to receive `until`)."""
+        order = self.order if self.order is not None else deque(("send", p, m) for m, (p, _) in self.held.items())
+        while order and order[0] != until and order[0][2] in self.held:
+            peer, tensors = self.held.pop(order.popleft()[2])
+            self.in_flight += [(dist.isend(t, group=self.group, group_dst=peer), t, peer) for t in tensors]
+        if until and self.order is not None and self.order.popleft() != until:
+            raise RuntimeError(f"rank {self.ranks[self.rank]} is out of message_order at {until}")
 
     def recv(self, action):
         (m, c), (peer, message) = action[1:], route(action, self.rank, self.P, self.S)
         out = self.layers[m, c][-1][1] if message[0] == "grad" else None  # the gradient of what this rank sent
         expected = (list(out.shape), out.dtype) if out is not None else self.shapes.get(message[::2])
-        early = None  # NCCL: a known shape comes in its header's batch, as a rank's batches run in order
+        if peer != self.rank:
+            self.take_turns(("recv", peer, message))
         if peer != self.rank and (expected is None or debug.DEBUG):
-            if expected is not None and launch.nccl(self.group):
-                early = torch.empty(expected[0], dtype=expected[1], device=launch.device())
             kind, mb, j, dtype, ndim, *sizes = self.receive(
-                torch.empty(HEADER_LEN, dtype=torch.int64, device=launch.device()), peer, action, early).tolist()
+                torch.empty(HEADER_LEN, dtype=torch.int64, device=launch.device()), peer, action).tolist()
             got = ((KINDS[kind], mb, j), (sizes[:ndim], DTYPES[dtype]))
             if got[0] != message or got[1] != (expected or got[1]):
                 raise debug.Disagreement(f"rank {self.ranks[self.rank]} expects the {message[0]} of microbatch "
@@ -180,26 +188,16 @@ class Executor:
                                          f"{self.ranks[peer]}, which sent the {KINDS[kind]} of microbatch {mb} "
                                          f"for stage {j}, {sizes[:ndim]}: the ranks run different schedules or models")
             expected = self.shapes[message[::2]] = got[1]  # by (act|grad, stage): only activations are looked up
-        tensor = self.local.popleft() if peer == self.rank else early if early is not None else self.receive(
+        tensor = self.local.popleft() if peer == self.rank else self.receive(
             torch.empty(expected[0], dtype=expected[1], device=launch.device()), peer, action)
         if message[0] == "act":
             self.x[m, c] = tensor.requires_grad_()
         else:
             self.dy[m, c] = tensor
 
-    def receive(self, tensor, peer, action, also=None):
-        """Post the waiting sends with this receive (and `also` after it) in one batch_isend_irecv, as Megatron
-        does: NCCL runs a pair's messages in order, and crossing sends and receives would wait on each other."""
-        recvs = [dist.P2POp(dist.irecv, t, group=self.group, group_peer=peer) for t in (tensor, also) if t is not None]
-        for work in self.post(recvs)[-len(recvs):]:
-            self.wait(work, peer, f"{action.op} of microbatch {action.mb}")
+    def receive(self, tensor, peer, action):
+        self.wait(dist.irecv(tensor, group=self.group, group_src=peer), peer, f"{action.op} of microbatch {action.mb}")
         return tensor
-
-    def post(self, recvs=()):
-        ops, sends, self.pending = self.pending + list(recvs), self.pending, []
-        works = dist.batch_isend_irecv(ops) if ops else []
-        self.in_flight += [(w, op.tensor, op.group_peer) for w, op in zip(works, sends)]
-        return works
 
     def wait(self, work, peer, what):
         debug.wait_for(work, self.ranks[peer], f"rank {self.ranks[self.rank]}, {what} with its pipeline neighbour")

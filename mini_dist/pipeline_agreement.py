@@ -8,11 +8,19 @@ to run, in one all-gather of four integers per rank (a checksum of the schedule,
 batch size on the first stage, the target count on the last), and when they disagree, every rank gathers
 the whole description and raises the same error, naming the ranks that differ and how.
 
+They also agree on the order of their messages. NCCL runs a rank's sends and receives one at a time, in the
+order posted, and a send ends only when its receive runs. Posted in each rank's action order, 1F1B's
+steady state crosses: stage s sends an activation to s+1 while s+1 sends a gradient back, and both wait.
+`message_order` gives every rank the order in which the messages arrive when sends never wait (as on gloo);
+restricted to any one rank it keeps that rank's actions in order, and posted that way nothing can wait in a
+cycle. The demo replays both under NCCL's rule (mini_dist/nccl_order.py).
+
     torchrun --standalone --nproc_per_node=4 mini_dist/pipeline_agreement.py [--mistake microbatches]
 
 Mirrors torch.distributed.pipelining's shape inference (stages exchange metadata before the first step)
 and TORCH_DISTRIBUTED_DEBUG=DETAIL's collective fingerprints; mini_dist/pipeline.py calls it every step.
 """
+import functools
 import sys
 import time
 import zlib
@@ -24,8 +32,9 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mini_dist import nccl_order
 from mini_dist.kit import launch
-from mini_dist.pipeline_schedules import SCHEDULES, Schedule
+from mini_dist.pipeline_schedules import COMPUTE, SCHEDULES, Schedule, route
 from mini_dist.pipeline_stages import pipeline_chunks
 
 
@@ -50,6 +59,48 @@ def agree_on_step(schedule: Schedule, chunks: list, inputs, targets, loss_fn, gr
             and batch == n_targets and plan[1] > 0 and batch % plan[1] == 0):
         return  # the same schedule, the chunks it runs, a batch that cuts into M: nothing to name
     name_the_disagreement(plan, schedule, chunks, inputs, targets, loss_fn, group)
+
+
+@functools.cache
+def message_order(schedule: Schedule) -> tuple:
+    """NCCL runs a rank's sends and receives one at a time, in the order posted, and a send ends only when its
+    receive runs. So every rank posts its messages in one order that all ranks share: the order in which they
+    arrive when each rank runs its actions, a send never waits and a receive waits for its send. Then the first
+    message not yet through always has both ends at the head of their queues (whatever either rank posted
+    before it came earlier in the order), and nothing waits in a cycle. Returns, per rank, its (send|recv,
+    peer, message) in that order; a rank's messages to itself stay out."""
+    P, S = len(schedule.actions), len(schedule.actions) * schedule.n_chunks
+    head, sent, order = [0] * P, set(), [[] for _ in range(P)]
+    while any(h < len(actions) for h, actions in zip(head, schedule.actions)):
+        moved = False
+        for r, actions in enumerate(schedule.actions):
+            while head[r] < len(actions):
+                if (a := actions[head[r]]).op not in COMPUTE:
+                    peer, message = route(a, r, P, S)
+                    if a.op.startswith("recv") and peer != r:
+                        if message not in sent:
+                            break  # this rank waits here for its peer's send
+                        order[peer].append(("send", r, message))
+                        order[r].append(("recv", peer, message))
+                    sent.add(message)
+                head[r], moved = head[r] + 1, True
+        if not moved:
+            raise ValueError(f"{schedule.name}: ranks wait for messages never sent, at actions {head}")
+    return tuple(map(tuple, order))
+
+
+def in_action_order(schedule: Schedule) -> tuple:
+    """The naive order: each rank posts its messages as its actions come, in message_order's form."""
+    P, S = len(schedule.actions), len(schedule.actions) * schedule.n_chunks
+    return tuple(tuple((a.op[:4], *route(a, r, P, S)) for a in actions if a.op not in COMPUTE and
+                       route(a, r, P, S)[0] != r) for r, actions in enumerate(schedule.actions))
+
+
+def under_nccls_rule(order: tuple) -> list[str]:
+    """Replay per-rank orders of lone sends and receives under NCCL's rule: [] if all complete, else the cycle."""
+    group, said = tuple(range(len(order))), "{0} of microbatch {1} for stage {2}".format
+    return nccl_order.replay([[nccl_order.Unit("p2p", group, said(*m), [nccl_order.Op(kind, peer, group, 0, said(*m))])
+                               for kind, peer, m in mine] for mine in order])
 
 
 def name_the_disagreement(plan, schedule: Schedule, chunks: list, inputs, targets, loss_fn, group) -> None:
@@ -125,9 +176,17 @@ def demo(args) -> int:
                   f"group's timeout would take {launch.timeout().total_seconds():.0f} s and name nobody):\n"
                   f"  ValueError: {said}")
     named = said is not None and (batch_only or f"rank {bad}" in said)
+    launch.print0(f"\nthe messages of one step, M={2 * P}, replayed under NCCL's rule (mini_dist/nccl_order.py):")
+    safe = True
+    for name in SCHEDULES:
+        schedule = SCHEDULES[name](P, 2 * P, 2 if name in ("interleaved", "zero_bubble") else 1)
+        naive, ours = under_nccls_rule(in_action_order(schedule)), under_nccls_rule(message_order(schedule))
+        safe &= not ours
+        launch.print0(f"  {name:<12} in each rank's action order: {naive[0] if naive else 'completes'}\n"
+                      f"  {'':<12} in message_order: {ours[0] if ours else 'completes'}")
     return launch.conclude("pipeline_agreement", len(set(everyone)) == 1 and named,
                            "every rank raised the same error" + f", naming rank {bad}" * (not batch_only),
-                           True, f"raised in {seconds * 1e3:.1f} ms")
+                           safe, "every schedule's message_order completes under NCCL's rule")
 
 
 if __name__ == "__main__":

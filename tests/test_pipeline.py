@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from harness import RankFailure, device, rank_generator, run, subgroup
+from mini_dist.kit import debug, launch
 from mini_dist.pipeline import HEADER_LEN, pipeline_step, torch_step
 from mini_dist.pipeline_schedules import SCHEDULES, live_microbatches
 from mini_dist.pipeline_stages import pipeline_chunks, split_model
@@ -56,10 +57,11 @@ def torch_runs(name, P, M, v):
             "zero_bubble": M % max(1, M // P) == 0}.get(name, True)
 
 
-def pipelined(seed, widths, frozen, batch, M, name, v, kind, sizes, ranks):
+def pipelined(seed, widths, frozen, batch, M, name, v, kind, sizes, ranks, headers=True, nccl_path=False):
     """One step of our pipeline on the ranks `ranks` (the default group if that is all of them), then,
     where torch runs it, the same step by torch.distributed.pipelining; returns what the test process
-    needs to redo the step in a single process."""
+    needs to redo the step in a single process. `headers`: a checked header with every message (debug mode);
+    `nccl_path`: the sends posted in message_order, as on NCCL."""
     group = subgroup(ranks) if len(ranks) < dist.get_world_size() else None
     if dist.get_rank() not in ranks:
         return None
@@ -67,7 +69,11 @@ def pipelined(seed, widths, frozen, batch, M, name, v, kind, sizes, ranks):
     x, y = draw_batch(seed, widths, batch, kind)
     chunks = pipeline_chunks(model, group, v, sizes)
     P, s = len(ranks), dist.get_rank(group)
-    loss, stats = pipeline_step(chunks, SCHEDULES[name](P, M, v), x, y, make_loss(kind), group)
+    saved, (debug.DEBUG, launch.PRETEND_NCCL) = (debug.DEBUG, launch.PRETEND_NCCL), (headers, nccl_path)
+    try:
+        loss, stats = pipeline_step(chunks, SCHEDULES[name](P, M, v), x, y, make_loss(kind), group)
+    finally:
+        debug.DEBUG, launch.PRETEND_NCCL = saved
     result = dict(stage=s, loss=loss, grads=grads_by_index(model, chunks), x=x.cpu(), y=y.cpu(), stats=stats)
     # Importing torch.distributed.pipelining takes seconds per rank: only the 4-rank pool pays it (its
     # subgroups give every P from 1 to 4)
@@ -107,11 +113,12 @@ def assert_equal_up_to_rounding(actual, expected, terms, roundings):
     assert (difference <= bound).all(), f"difference {difference.max():.3g} > bound {bound.max():.3g}"
 
 
-def check_step(world, ranks, sizes, seed, widths, frozen, mb_size, M, name, v, kind):
+def check_step(world, ranks, sizes, seed, widths, frozen, mb_size, M, name, v, kind, headers=True, nccl_path=False):
     """Pipelined loss and grads = single-process full-batch training (= torch.distributed.pipelining where
     it ran: returns whether it did), and the executor's measurements = what the schedule says."""
     P = len(ranks)
-    results = run(world, pipelined, seed, widths, frozen, M * mb_size, M, name, v, kind, sizes, ranks)
+    results = run(world, pipelined, seed, widths, frozen, M * mb_size, M, name, v, kind, sizes, ranks, headers,
+                  nccl_path)
     results = sorted((r for r in results if r is not None), key=lambda r: r["stage"])
     x, y = results[0]["x"], results[-1]["y"]  # stage 0's inputs and stage P-1's targets are the batch
     (loss, loss_terms), grads = full_batch(seed, widths, frozen, kind, x, y)
@@ -159,7 +166,8 @@ def pipelined_steps(draw, worlds, torch_runs_it=False):
     return dict(world=world, ranks=sorted(draw(st.permutations(range(world)))[:P]),  # may be a subgroup
                 sizes=None if draw(st.booleans()) else [b - a for a, b in zip([0, *cuts], [*cuts, n_layers])],
                 seed=draw(st.integers(0, 2 ** 16)), widths=widths, frozen=draw(st.booleans()),
-                mb_size=draw(st.integers(1, 4)), M=M, name=name, v=v, kind=draw(st.sampled_from(["mse", "cross_entropy"])))
+                mb_size=draw(st.integers(1, 4)), M=M, name=name, v=v, kind=draw(st.sampled_from(["mse", "cross_entropy"])),
+                headers=draw(st.booleans()), nccl_path=draw(st.booleans()))
 
 
 @settings(max_examples=15)
@@ -271,24 +279,25 @@ def test_data_parallel_sync_is_skipped_for_all_but_each_chunks_last_weight_gradi
     assert run(2, weight_gradients_under_no_sync, name, M, v) == [[M - 1] * v] * 2
 
 
-# ----- NCCL runs a rank's messages in order: every exchange between two stages is one batch -----
+# ----- NCCL runs a rank's messages in order: every rank posts them in one shared order -----
 
-def under_nccls_rule(name, M, v):
-    """One step of schedule `name`, recorded on gloo and replayed under NCCL's in-order rule: the cycles found."""
+def under_nccls_rule(name, M, v, headers):
+    """One step of schedule `name`, recorded on gloo and replayed under NCCL's in-order rule: the cycles found.
+    `headers`: a checked header before every message (MINI_DIST_DEBUG=1), else only before a stage's first."""
     from mini_dist import nccl_order
     P, chunks = dist.get_world_size(), v if name in ("interleaved", "zero_bubble") else 1
     widths = [3] * (P * chunks + 1)  # 2 * P * chunks - 1 layers: at least one per virtual stage
     model, (x, y) = build_model(0, widths, False), draw_batch(0, widths, 2 * M, "mse")
-    return nccl_order.check(pipeline_step, pipeline_chunks(model, None, chunks), SCHEDULES[name](P, M, chunks), x, y,
-                            nn.MSELoss())
+    saved, debug.DEBUG = debug.DEBUG, headers
+    try:
+        return nccl_order.check(pipeline_step, pipeline_chunks(model, None, chunks), SCHEDULES[name](P, M, chunks),
+                                x, y, nn.MSELoss())
+    finally:
+        debug.DEBUG = saved
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
-@pytest.mark.parametrize("world, M, v", [(2, 3, 2), (3, 4, 1), (4, 8, 2)])
-def test_every_schedule_completes_under_nccls_in_order_rule(world, M, v, name, request):
-    if name in ("interleaved", "zero_bubble") and v > 1:
-        # v chunks per rank send both ways round the ring of ranks, and the sends a rank batches with its next
-        # receive wait for receives its neighbour has not reached: a cycle under NCCL's rule (gloo runs it).
-        # Strict: the day the executor pairs them, this says so.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="v > 1: sends batched both ways round the ring"))
-    assert run(world, under_nccls_rule, name, M, v) == [[]] * world
+@pytest.mark.parametrize("world, M, v, headers", [(2, 3, 2, True), (3, 4, 1, False), (4, 8, 2, False),
+                                                  (5, 7, 3, True)])
+def test_every_schedule_completes_under_nccls_in_order_rule(world, M, v, headers, name):
+    assert run(world, under_nccls_rule, name, M, v, headers) == [[]] * world

@@ -1,15 +1,19 @@
 """Pipeline ranks agree before the first message: every rank raises the same error at once, naming the ranks
 that built another schedule, hold other chunks, or pass a batch that cannot be cut into M, and none hangs."""
 import dataclasses
+import re
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from harness import RankFailure, device, run
 from mini_dist.pipeline import pipeline_step
+from mini_dist.pipeline_agreement import in_action_order, message_order, under_nccls_rule
 from mini_dist.pipeline_schedules import SCHEDULES
 from mini_dist.pipeline_stages import pipeline_chunks
 
@@ -100,3 +104,28 @@ def test_ranks_with_other_chunks_actions_or_stages_all_raise_at_once_naming_them
     for rank in range(3):
         assert f"rank {rank} failed: ValueError: {said}" in str(info.value)
     assert run(3, step_where, 1, "nothing")[2] is not None  # the pool stayed in step
+
+
+# ----- the order of messages under NCCL: one order all ranks share -----
+
+@pytest.mark.single_process
+@given(st.sampled_from(sorted(SCHEDULES)), st.integers(1, 5), st.integers(1, 9), st.integers(1, 3))
+def test_message_order_completes_under_nccls_rule_and_keeps_every_ranks_actions_in_order(name, P, M, v):
+    schedule = SCHEDULES[name](P, M, v if name in ("interleaved", "zero_bubble") else 1)
+    order = message_order(schedule)
+    assert under_nccls_rule(order) == []
+    for mine, theirs in zip(order, in_action_order(schedule)):
+        assert sorted(mine) == sorted(theirs)  # every message to or from another rank, once
+        assert [m for m in mine if m[0] == "recv"] == [m for m in theirs if m[0] == "recv"]
+        for send in (m for m in theirs if m[0] == "send"):  # posted only once the receives before it are in
+            before = theirs.index(send)
+            assert {m for m in theirs[:before] if m[0] == "recv"} <= set(mine[:mine.index(send)])
+
+
+@pytest.mark.single_process
+@pytest.mark.parametrize("P, M", [(2, 2), (3, 6), (5, 7)])
+def test_1f1b_posted_in_each_ranks_action_order_crosses_under_nccls_rule(P, M):
+    """The lesson message_order exists for: stage s sends an activation while s+1 sends a gradient back."""
+    cycle = under_nccls_rule(in_action_order(SCHEDULES["1f1b"](P, M)))
+    crossing = re.match(r"rank (\d) is in isend to rank (\d) \(act .* which is in isend to rank \1 \(grad", cycle[0])
+    assert crossing and int(crossing[2]) == int(crossing[1]) + 1
