@@ -9,6 +9,7 @@
 #   ./run.sh ask [N ...] [--markdown]   the questions learners ask, each answered by a figure measured now
 #   ./run.sh exercise MODULE [--force]  write exercises/MODULE.py: the concept with its textbook code blanked
 #   ./run.sh check MODULE               grade exercises/MODULE.py with the properties that prove mini_dist
+#   ./run.sh demos [N]                  every demo of the tour on at most N ranks (default 2)
 #   ./run.sh gpu                        the GPU check: the suite on NCCL, then every demo on 1 rank (one GPU)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -154,28 +155,38 @@ tour() {
   return $status
 }
 
+# Every demo of the tour on at most N ranks: where the tour gives a demo more ranks, it runs on N without its
+# grid flags; a demo that cannot run on so few says so and exits 2, which is not a failure. The GPU check
+# runs it on one rank; CI on two, on the oldest torch mini_dist supports.
+every_demo() {
+  local most=${1:-2} status=0 failed=() entry code
+  for entry in "${TOUR[@]}"; do
+    set -- $entry
+    [ -f "mini_dist/$1.py" ] || continue
+    local module=$1 ranks=$(( $2 < most ? $2 : most ))
+    shift 2
+    [ "$ranks" -lt "$most" ] || [[ ! " $* " =~ \ --(ranks-per-node|dp|pp|cp|tp|ep)\  ]] || set --
+    echo "=== $module on $ranks rank(s) ==="
+    demo "$module" "$ranks" "$@" > >(tail -n 4) 2>&1 && code=0 || code=$?
+    case $code in
+      0) ;;
+      2) echo "(needs more ranks: not a failure)" ;;
+      *) failed+=("$module"); status=1 ;;
+    esac
+  done
+  echo "torch $("$PY" -c 'import torch; print(torch.__version__)'): ${#failed[@]} demo(s) failed${failed[*]:+: ${failed[*]}}"
+  return $status
+}
+
 # The GPU check, for one GPU: the suite on NCCL (tests that need more GPUs than there are skip, saying how
 # many), then every demo of the tour on one rank. NCCL refuses two ranks on one GPU, so world size 1 is all
 # one GPU can show; the ordering NCCL imposes on many GPUs is proven on the CPU (tests/test_nccl_order.py).
 gpu_check() {
-  local status=0 failed=() entry code
+  local status=0
   "$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print("GPU:", torch.cuda.get_device_name(0), "| torch", torch.__version__, "| NCCL", ".".join(map(str, torch.cuda.nccl.version())))' || return 2
   MINI_DIST_BACKEND=nccl "$PY" -m pytest -q -p no:cacheprovider tests --deselect tests/test_cli.py \
     --deselect tests/test_questions.py || status=1
-  for entry in "${TOUR[@]}"; do
-    set -- $entry
-    [ -f "mini_dist/$1.py" ] || continue
-    local module=$1; shift 2
-    [[ " $* " =~ \ --(ranks-per-node|dp|pp|cp|tp|ep)\  ]] && set --  # the grid flags need more ranks than 1
-    echo "=== $module on 1 rank, NCCL ==="
-    MINI_DIST_BACKEND=nccl demo "$module" 1 "$@" > >(tail -n 4) 2>&1 && code=0 || code=$?
-    case $code in
-      0) ;;
-      2) echo "(needs more ranks than one GPU gives: not a failure)" ;;
-      *) failed+=("$module"); status=1 ;;
-    esac
-  done
-  [ ${#failed[@]} -eq 0 ] || echo "demos that exited non-zero on the GPU: ${failed[*]}"
+  MINI_DIST_BACKEND=nccl every_demo 1 || status=1
   return $status
 }
 
@@ -194,7 +205,8 @@ case "${1:-tour}" in
     launch "$nproc" -m mini_dist.bench "$@" ;;
   ask) shift; "$PY" -m mini_dist.questions "$@" ;;  # it starts its own ranks
   gpu) gpu_check ;;
+  demos) shift; every_demo "${1:-2}" ;;
   exercise|check) "$PY" -m mini_dist.kit.exercise "$@" ;;
-  -h|--help|help) sed -n '2,13p' "$0" ;;
-  *) echo "./run.sh: unknown command '$1'" >&2; sed -n '2,13p' "$0" >&2; exit 2 ;;
+  -h|--help|help) sed -n '2,14p' "$0" ;;
+  *) echo "./run.sh: unknown command '$1'" >&2; sed -n '2,14p' "$0" >&2; exit 2 ;;
 esac

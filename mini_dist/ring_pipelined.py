@@ -153,6 +153,8 @@ def send_recv(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, sr
     NCCL runs a rank's unbatched sends and receives in order on one stream: if every rank of a ring sent
     first, each send would wait for a receive its neighbour has queued behind its own send. A batch runs
     as one unit. Empty (or None) tensors stay home: the peer skips the same empty piece."""
+    if debug.DEBUG:
+        compare_sizes(send, dst, recv, src, group, name)
     ops, peers = [], []
     if send is not None and send.numel():
         LEDGER.send(send.nbytes, dst, group)
@@ -166,6 +168,25 @@ def send_recv(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, sr
     for k, work in enumerate(works):  # one work per op on gloo; NCCL may coalesce them into one
         doing, peer = peers[k] if len(works) == len(peers) else peers[0]
         wait((work, doing, peer), group, name)
+
+
+def compare_sizes(send, dst: int, recv, src: int, group, name: str) -> None:
+    """Under MINI_DIST_DEBUG=1, each end of a send first tells the other its size, in one batch: a chunk index
+    that is off by one (a piece of another size, or an empty one that stays home) fails at once on both ends,
+    named, instead of a receive that waits for a message that never comes or comes cut."""
+    me, of = dist.get_rank(group), (lambda r: dist.get_global_rank(group, r) if group is not None else r)
+    mine = [(t, peer, torch.tensor([t.numel()], device=launch.device()), torch.empty(1, dtype=torch.int64,
+             device=launch.device())) for t, peer in ((send, dst), (recv, src)) if t is not None]
+    ops = [dist.P2POp(dist.isend, told, group=group, group_peer=peer) for _, peer, told, _ in mine]
+    ops += [dist.P2POp(dist.irecv, heard, group=group, group_peer=peer) for _, peer, _, heard in mine[::-1]]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    for (t, peer, _, heard), sending in zip(mine, [send is not None, False]):
+        if heard.item() != t.numel():
+            raise debug.Disagreement(
+                f"{name}: rank {of(me)} {'sends' if sending else 'expects'} {t.numel()} elements "
+                f"{'to' if sending else 'from'} rank {of(peer)}, which {'expects' if sending else 'sends'} "
+                f"{heard.item()}: the two ranks mean different pieces (a chunk index off by one?)")
 
 
 def post(p2p, piece: torch.Tensor, peer: int, group):

@@ -254,16 +254,18 @@ def torch_context_parallel(causal, shape, seed):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     whole = whole_sequence(seed, *shape)
     buffers = [t.clone() for t in whole]
-    try:
-        with sdpa_kernel(SDPBackend.MATH), context_parallel(
-                init_device_mesh(device().type, (dist.get_world_size(),)), buffers=buffers,
-                buffer_seq_dims=[2] * 4, no_restore_buffers=set(buffers)):
-            q, k, v = (t.detach().requires_grad_() for t in buffers[:3])
+    # torch's error is caught inside the context: in torch 2.11 an exception leaving it skips the restore of
+    # F.scaled_dot_product_attention, and every later attention on this rank would go through DTensor
+    with sdpa_kernel(SDPBackend.MATH), context_parallel(
+            init_device_mesh(device().type, (dist.get_world_size(),)), buffers=buffers,
+            buffer_seq_dims=[2] * 4, no_restore_buffers=set(buffers)):
+        q, k, v = (t.detach().requires_grad_() for t in buffers[:3])
+        try:
             with torch.enable_grad():  # context_parallel runs under no_grad
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                 out.backward(buffers[3])
-    except (NotImplementedError, RuntimeError) as e:
-        return f"{type(e).__name__}: {e}"
+        except (NotImplementedError, RuntimeError) as e:
+            return f"{type(e).__name__}: {e}"
     leaves = [sl.split_sequence(t).requires_grad_() for t in whole[:3]]
     ours = cp.ring_attention(*leaves, causal=causal)
     ours.backward(sl.split_sequence(whole[3]))
@@ -291,9 +293,8 @@ def test_equal_to_torch_context_parallel_where_it_runs_on_cpu_gloo(C):
     assert max(run(C, torch_context_parallel, False, shape, 7)) < 1e-13
     for message in run(C, torch_context_parallel, True, shape, 7):
         assert "mixed torch.Tensor and DTensor" in message, message
-    with pytest.raises(RankFailure, match="_scaled_dot_product_flash_attention_for_cpu.default does not have a "
-                                          "sharding strategy"):
-        run(C, torch_context_parallel_default_kernel)
+    for message in run(C, torch_context_parallel_default_kernel):
+        assert "_scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy" in message
 
 
 def torch_context_parallel_default_kernel():
@@ -302,7 +303,11 @@ def torch_context_parallel_default_kernel():
     buffers = whole_sequence(0, 1, 1, 4 * dist.get_world_size(), 2)[:3]
     with context_parallel(init_device_mesh(device().type, (dist.get_world_size(),)), buffers=buffers,
                           buffer_seq_dims=[2] * 3):
-        F.scaled_dot_product_attention(*buffers, is_causal=True)
+        try:  # caught inside the context, as above
+            F.scaled_dot_product_attention(*buffers, is_causal=True)
+        except NotImplementedError as e:
+            return str(e)
+    return "no error"
 
 
 def causal_with_padding(S, pad):

@@ -245,6 +245,8 @@ def buckets_beside_native(cap, widths, steps=3):
 # parameter per bucket; 1e4 MiB holds the whole model. (Native silently makes a negative cap one bucket.)
 @pytest.mark.parametrize("cap", [None, 0, 1e-5, 1e4])
 def test_edge_bucket_caps_bucket_and_train_like_native_ddp(cap):
+    if cap == 0 and torch.__version__ < "2.13":
+        pytest.skip("torch 2.11's DistributedDataParallel asserts a nonzero bucket_cap_mb (2.13 takes 0)")
     for mine, native, diff in run(2, buckets_beside_native, cap, [8, 200, 200, 200, 200, 200, 3]):
         assert mine == native
         assert diff == 0.0  # two ranks: x/2 + y/2 in any order is one rounding, bit for bit

@@ -70,6 +70,9 @@ PLANTED = {  # module: (the reference's text, the classic mistake, a word the fa
     "reducer": ("torch.mul(p.grad, 1.0 / self.world, out=bucket.views[i])", "bucket.views[i].copy_(p.grad)", "FAIL"),
     "fsdp": ('self._before_compute(unit, "backward", self._finished[::-1])', "pass", "FAIL"),
     "pipeline_schedules": ("min(P - s - 1, M)", "min(P - s, M)", "FAIL"),
+    # the receive one chunk off: on uneven chunks the pieces differ in size, named by both ends at once
+    "ring_allreduce": ("send, mine = chunks[(r + 1 + s) % n], chunks[(r + 2 + s) % n]",
+                       "send, mine = chunks[(r + 1 + s) % n], chunks[(r + 1 + s) % n]", "a chunk index off by one"),
 }
 
 
@@ -90,3 +93,18 @@ def test_a_planted_classic_mistake_fails_check(module, tmp_path):
     assert source.count(right) == 1, f"{module}: the planted line moved; update PLANTED"
     code, out = check(module, tmp_path, source.replace(right, wrong))
     assert code == 1 and word in out, out
+
+
+@pytest.mark.slow
+def test_a_hang_is_named_with_the_line_where_each_rank_waited(tmp_path):
+    """Every rank receives first, with blocking calls: each waits for a send that never comes. The check ends
+    (the ranks' 10 s timeout) and says where each rank of the learner's code waited."""
+    right = 'send_recv(chunks[(r + s) % n], left, chunks[(r + 1 + s) % n], right, group, "all-gather")'
+    wrong = ("dist.recv(chunks[(r + 1 + s) % n], group=group, group_src=right)\n"
+             "        dist.send(chunks[(r + s) % n], group=group, group_dst=left)")
+    source = exercise.reference("ring_allreduce")
+    assert source.count(right) == 1, "the planted line moved"
+    code, out = check("ring_allreduce", tmp_path, source.replace(right, wrong))
+    assert code == 1 and "Timed out" in out, out
+    for rank in (0, 1):  # the smallest world that hangs: 2 ranks
+        assert f"rank {rank} waited at ring_allreduce.py:" in out and "in textbook_all_gather_steps: dist.recv(" in out

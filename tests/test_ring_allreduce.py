@@ -259,16 +259,17 @@ def test_ring_sends_2_n_minus_1_over_n_times_d_and_naive_root_sends_n_minus_1_ti
 
 def batches(world_numel, as_nccl):
     """One ring all-reduce (as_nccl: taking NCCL's paths, as launch.PRETEND_NCCL makes it; there is no device
-    here): every batch_isend_irecv it posted, as [(send?, group peer, numel)], the result, gloo's."""
-    seen, saved = [], (dist.batch_isend_irecv, launch.PRETEND_NCCL)
+    here): every batch_isend_irecv it posted, as [(send?, group peer, numel)], the result, gloo's. Without
+    debug mode's size exchange before each step (tests/test_exercise.py pins that one)."""
+    seen, saved = [], (dist.batch_isend_irecv, launch.PRETEND_NCCL, debug.DEBUG)
     dist.batch_isend_irecv = lambda ops: seen.append([(op.op is dist.isend, op.group_peer, op.tensor.numel())
                                                       for op in ops]) or saved[0](ops)
-    launch.PRETEND_NCCL = as_nccl
+    launch.PRETEND_NCCL, debug.DEBUG = as_nccl, False
     x = torch.randn(world_numel, generator=rank_generator(1)).to(device())
     try:
         ra.ring_all_reduce(y := x.clone())
     finally:
-        dist.batch_isend_irecv, launch.PRETEND_NCCL = saved
+        dist.batch_isend_irecv, launch.PRETEND_NCCL, debug.DEBUG = saved
     native = x.clone()
     dist.all_reduce(native)
     return seen, y, native

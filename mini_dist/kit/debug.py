@@ -27,6 +27,7 @@ monitored_barrier, which names the ranks that never arrived.
 import contextlib
 import datetime
 import os
+import re
 import sys
 import time
 
@@ -88,8 +89,14 @@ def wait_for(work, peer: int, what: str) -> None:
     try:
         work.wait()
     except RuntimeError as e:  # gloo: "Connection reset by peer" or a timeout; NCCL: its own report
+        if TIMED_OUT.search(str(e)):  # alive but silent: most often it waits too, for this rank
+            raise PeerLost(f"{what}: waited for rank {peer} until the group's timeout ({str(e).splitlines()[0]}): "
+                           f"rank {peer} never posted the matching operation; is it waiting for this rank?") from e
         raise PeerLost(f"{what}: lost rank {peer} ({str(e).splitlines()[0]}); look for the first error in "
                        f"rank {peer}'s log: it died, was killed, or stopped answering") from e
+
+
+TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")  # gloo's words for a wait that outlived the group's timeout
 
 
 def lost_rank(group=None, wait_s: float = 1.0) -> str:

@@ -82,6 +82,14 @@ def write(module: str, force: bool = False, workspace: str = WORKSPACE) -> str:
 
 # ----- grading: a pytest plugin that prints one line per property
 
+SHRINK_S = 10  # a learner waits for the answer: shrinking stops after this long (hypothesis' own limit: 300 s)
+
+
+def pytest_configure(config):
+    from hypothesis.internal.conjecture import engine  # an internal constant: without it, shrinking takes longer
+    engine.MAX_SHRINKING_SECONDS = SHRINK_S
+
+
 def pytest_runtest_logreport(report):
     if report.when != "call" and not (report.when == "setup" and report.failed):
         return
@@ -91,14 +99,26 @@ def pytest_runtest_logreport(report):
         print(f"PASS  {meaning}", flush=True)
         return
     text = report.longreprtext
+    plain = re.sub(r"^E ", "", text, flags=re.M)  # pytest's prefix on the lines of the error
     error = next((line[1:].strip() for line in text.splitlines() if line.startswith("E ")), "failed")
     on_rank = re.search(r"^E?\s*(rank \d+) failed: (.+)$", text, re.M)  # a rank's own error, not the pool's
     if "RankFailure" in error and on_rank:
         error = f"{on_rank.group(1)}: {on_rank.group(2)}"
-    case = re.search(r"Falsifying example: \w+\((.*?)\n\)", text, re.S)
+    error = re.sub(r"\[\S*\.cc:\d+\] ", "", error)  # gloo's source line, no help to a learner
+    case = re.search(r"(?:Falsifying example|Failing test case): \w+\((.*?)\n\s*\)((?:\n\s*Draw \d+: [^\n]*)*)", plain,
+                     re.S)
     print(f"FAIL  {meaning}\n      yours: {error[:200]}", flush=True)
+    if re.search(r"[Tt]imed out|[Tt]imeout|no answer", text):  # a hang: where each rank of yours waited
+        for rank, block in re.findall(r"^\s*rank (\d+)(?: failed|:)(.*?)(?=^\s*rank \d+(?: failed|:)|\Z)", plain,
+                                      re.M | re.S):
+            frames = re.findall(r'File "' + re.escape(os.environ.get("MINI_DIST_EXERCISES", WORKSPACE)) +
+                                r'/([^"]+)", line (\d+), in (\w+)\n\s*(.+)', block)
+            if frames:
+                file, line, function, code = frames[-1]
+                print(f"      rank {rank} waited at {file}:{line} in {function}: {code.strip()}", flush=True)
     if case:
-        print(f"      smallest case: {' '.join(case.group(1).split())[:200]}", flush=True)
+        drawn = " ".join(case.group(2).split())
+        print(f"      smallest case: {' '.join(case.group(1).split()).rstrip(',')[:200]}{'; ' + drawn if drawn else ''}", flush=True)
 
 
 MEANINGS: dict[str, str] = {}
@@ -110,15 +130,20 @@ def pytest_collection_modifyitems(items):
         MEANINGS[item.nodeid.split("[")[0]] = doc or item.name.split("[")[0][5:].replace("_", " ")
 
 
+def grading(module: str, workspace: str) -> tuple[dict, list[str]]:
+    """The environment a check runs in (short timeouts: a hang is named in seconds) and its test files."""
+    env = dict(os.environ, MINI_DIST_EXERCISES=workspace, MINI_DIST_RANK_TIMEOUT="10", MINI_DIST_CALL_TIMEOUT="20",
+               MINI_DIST_GRACE="1", HYPOTHESIS_PROFILE=os.environ.get("HYPOTHESIS_PROFILE", "exercise"))
+    return env, [os.path.join(ROOT, "tests", f"test_{m}.py") for m in [module, *ALSO_TESTED_BY.get(module, [])]]
+
+
 def check(module: str, workspace: str = WORKSPACE, demo: bool = True) -> int:
     """Grade the learner's copy: the properties, then the demo. 0 only when everything passed."""
     reference(module)
     path = os.path.join(workspace, f"{module}.py")
     if not os.path.exists(path):
         raise SystemExit(f"check: no {os.path.relpath(path, ROOT)}; ./run.sh exercise {module} writes it")
-    env = dict(os.environ, MINI_DIST_EXERCISES=workspace, MINI_DIST_RANK_TIMEOUT="10", MINI_DIST_CALL_TIMEOUT="20",
-               HYPOTHESIS_PROFILE=os.environ.get("HYPOTHESIS_PROFILE", "dev"))
-    tests = [os.path.join(ROOT, "tests", f"test_{m}.py") for m in [module, *ALSO_TESTED_BY.get(module, [])]]
+    env, tests = grading(module, workspace)
     result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-m", "exercise", "-p", "no:cacheprovider",
                              "-p", "mini_dist.kit.exercise", "-p", "no:terminal",
                              *tests], cwd=ROOT, env=env, capture_output=True, text=True)

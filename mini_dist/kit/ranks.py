@@ -11,6 +11,7 @@ before any of them blocked): the group is still in step and is kept.
 """
 import os
 import pickle
+import re
 import time
 import traceback
 from multiprocessing import connection, get_context
@@ -19,10 +20,14 @@ import torch
 
 from mini_dist.kit import launch
 
-GRACE_S = 3.0  # how long the other ranks may take to answer once one rank has failed
+GRACE_S = float(os.environ.get("MINI_DIST_GRACE", "3"))  # how long the others may answer once one rank failed
 # a whole call, and each collective of a rank within it (./run.sh check shortens both: a hang is named in seconds)
 CALL_TIMEOUT_S = float(os.environ.get("MINI_DIST_CALL_TIMEOUT", "90"))
 RANK_TIMEOUT_S = os.environ.get("MINI_DIST_RANK_TIMEOUT", "30")
+
+
+# errors after which the group is out of step even when every rank raised the same one
+BROKEN = re.compile(r"died|[Tt]imed out|[Tt]imeout|pair closure|Connection|PeerLost")
 
 
 class RankFailure(RuntimeError):
@@ -121,7 +126,7 @@ class Pool:
         message = self._describe(replies)
         errors = {value[0] for kind, value in replies.values() if kind == "err"}
         everyone_agreed = len(replies) == self.world and len(errors) == 1 and all(
-            kind == "err" for kind, _ in replies.values()) and "died" not in next(iter(errors))
+            kind == "err" for kind, _ in replies.values()) and not BROKEN.search(next(iter(errors)))
         if not everyone_agreed:
             self.close(graceful=False)
             self.start()
