@@ -8,7 +8,7 @@
 #   ./run.sh bench [NPROC] [NAMES]      benchmarks against PyTorch's own implementations (default: all)
 #   ./run.sh ask [N ...] [--markdown]   the questions learners ask, each answered by a figure measured now
 #   ./run.sh exercise MODULE [--force]  write exercises/MODULE.py: the concept with its textbook code blanked
-#   ./run.sh check MODULE               grade exercises/MODULE.py with the properties that prove mini_dist
+#   ./run.sh check MODULE [--every]     grade exercises/MODULE.py with the properties that prove mini_dist
 #   ./run.sh demos [N]                  every demo of the tour on at most N ranks (default 2)
 #   ./run.sh gpu                        the GPU check: the suite on NCCL, then every demo on 1 rank (one GPU)
 set -euo pipefail

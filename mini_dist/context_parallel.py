@@ -61,9 +61,8 @@ def allgather_attention(q, k, v, causal=False, group=None, layout: str = ZIGZAG)
 # memory (two K/V blocks and one S/C x S/C score tile, never S/C x S) and overlap (a hop travels during a tile)
 
 def _ring_pass(send, group):
-    """Start sending `send` to the next rank and receiving the previous rank's; (buffer, works) to wait on.
-    The send and the receive go in one batch: under NCCL a rank's unbatched sends and receives run in
-    order on one stream, and a receive queued ahead of the send its neighbour waits for never finishes."""
+    """Start sending `send` to the next rank and receiving the previous rank's; (buffer, works) to wait on. One
+    batch: under NCCL a receive queued ahead of the send its neighbour waits for would never finish."""
     me, C = dist.get_rank(group), dist.get_world_size(group)
     recv = torch.empty_like(send)
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, group=group, group_peer=(me + 1) % C),

@@ -38,6 +38,13 @@ def test_there_are_at_least_ten_exercises_and_each_blank_keeps_every_signature_a
 
 
 @pytest.mark.single_process
+def test_every_exercise_is_graded_by_marked_properties_in_files_that_exist():
+    for module in exercise.exercises():
+        files = exercise.test_files(module)
+        assert all(os.path.exists(f) for f in files), (module, files)
+        assert any("@pytest.mark.exercise" in open(f).read() for f in files), module
+
+
 def test_an_unclosed_region_is_refused_with_its_line():
     with pytest.raises(ValueError, match="line 2 has no '# end exercise'"):
         exercise.regions("def f():\n    # exercise: write it\n    return 1\n")
@@ -55,12 +62,12 @@ def test_write_refuses_to_overwrite_work_in_progress_unless_forced(tmp_path):
     assert "# my work" not in open(path).read()
 
 
-def check(module, workspace, source):
+def check(module, workspace, source, every=False):
     os.makedirs(workspace, exist_ok=True)
     with open(os.path.join(workspace, f"{module}.py"), "w") as f:
         f.write(source)
     code = (f"import sys; sys.path.insert(0, {ROOT!r}); from mini_dist.kit import exercise; "
-            f"raise SystemExit(exercise.check({module!r}, {str(workspace)!r}, demo=False))")
+            f"raise SystemExit(exercise.check({module!r}, {str(workspace)!r}, demo=False, every={every}))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                             env={k: v for k, v in os.environ.items() if k != "HYPOTHESIS_PROFILE"})
     return result.returncode, result.stdout + result.stderr
@@ -79,8 +86,10 @@ PLANTED = {  # module: (the reference's text, the classic mistake, a word the fa
 @pytest.mark.slow
 def test_a_fresh_exercise_fails_and_the_reference_passes(tmp_path):
     source = exercise.reference("ring_allreduce")
-    code, out = check("ring_allreduce", tmp_path / "fresh", exercise.blank(source, "ring_allreduce"))
-    assert code == 1 and "FAIL" in out and "NotImplementedError" in out, out
+    code, out = check("ring_allreduce", tmp_path / "fresh", exercise.blank(source, "ring_allreduce"), every=True)
+    verdicts = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert code == 1 and len(verdicts) == 11 and all(v.startswith("FAIL") for v in verdicts), out  # 5 + 5 ops + 1
+    assert out.count("NotImplementedError: ring_allreduce: write N-1 steps") == 11, out
     code, out = check("ring_allreduce", tmp_path / "reference", source)
     assert code == 0 and "PASS" in out and "FAIL" not in out, out
 

@@ -3,9 +3,9 @@
     ./run.sh bench 1 exercise_check
 
 A learner iterates, so the answer has to come quickly: a passing exercise within 20 s on a 2-core laptop.
-Each row copies the reference (the solution) into a fresh workspace and times `check` on it, its properties
-and its demo, paired with the same properties run by plain pytest without the grader or the demo: the
-difference is what grading adds. On one rank: the check starts ranks of its own.
+Each row copies the reference (the solution) of one exercise into a fresh workspace and times `check` on
+it, its properties and its demo (2 ranks), paired with the same properties run by plain pytest without the
+grader or the demo: the difference is what grading adds. On one rank: the check starts ranks of its own.
 """
 import contextlib
 import io
@@ -19,7 +19,6 @@ import torch.distributed as dist
 from mini_dist import bench
 from mini_dist.kit import exercise, launch
 
-EXERCISES = ("ring_allreduce", "reducer", "fsdp", "pipeline_schedules")  # a ring, a hook, a unit, a schedule
 LIMIT_S = 20.0
 
 
@@ -28,7 +27,7 @@ def check_time(args, repeats: int = 2) -> list[bench.Result]:
         launch.print0("exercise_check: the check starts its own ranks; run it alone: ./run.sh bench 1 exercise_check")
         return []
     results = []
-    for module in EXERCISES:
+    for module in exercise.exercises():  # every one, in the order to do them
         workspace = tempfile.mkdtemp(prefix="mini_dist-exercise-")
         with open(os.path.join(workspace, f"{module}.py"), "w") as f:
             f.write(exercise.reference(module))

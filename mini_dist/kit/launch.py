@@ -150,6 +150,8 @@ def setup(backend: str | None = None, seed: int = 0) -> Env:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
+        # device_id: NCCL connects this group, and every group made later, at once, so a group's first call
+        # may be a batch_isend_irecv of some of its ranks (connected lazily, torch requires all of them in it)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout(),
                                 device_id=device if backend == "nccl" else None)
         atexit.register(leave)  # an exit outside main(): a script's sys.exit, an uncaught error
