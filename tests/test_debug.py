@@ -47,11 +47,22 @@ def test_with_debug_every_rank_names_the_rank_and_the_users_line(world):
 
 
 class FailingWork:
+    def __init__(self, error="Connection reset by peer\n(gloo details)"):
+        self.error = error
+
     def wait(self):
-        raise RuntimeError("Connection reset by peer\n(gloo details)")
+        raise RuntimeError(self.error)
 
 
 def test_wait_for_names_the_peer_and_where_to_look():
     with pytest.raises(debug.PeerLost, match=r"ring step 3: lost rank 7 \(Connection reset by peer\); "
                                              r"look for the first error in rank 7's log"):
         debug.wait_for(FailingWork(), 7, "ring step 3")
+
+
+def test_a_peer_that_stays_silent_until_the_timeout_is_named_as_a_wait_not_a_loss():
+    with pytest.raises(debug.PeerLost, match=r"ring step 3: waited for rank 7 until the group's timeout \(\[x.cc:78\] "
+                                             r"Timed out waiting 10000ms for recv operation to complete\): rank 7 "
+                                             r"never posted the matching operation; is it waiting for this rank\?"):
+        debug.wait_for(FailingWork("[x.cc:78] Timed out waiting 10000ms for recv operation to complete"), 7,
+                       "ring step 3")

@@ -90,6 +90,7 @@ def test_a_fresh_exercise_fails_and_the_reference_passes(tmp_path):
     verdicts = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert code == 1 and len(verdicts) == 11 and all(v.startswith("FAIL") for v in verdicts), out  # 5 + 5 ops + 1
     assert out.count("NotImplementedError: ring_allreduce: write N-1 steps") == 11, out
+    assert "waited at" not in out, out  # an error, not a hang: no rank waited
     code, out = check("ring_allreduce", tmp_path / "reference", source)
     assert code == 0 and "PASS" in out and "FAIL" not in out, out
 

@@ -77,6 +77,20 @@ def test_an_error_raised_by_every_rank_keeps_the_pool():
     assert [p.pid for p in harness._pools[2].procs] == pids_before
 
 
+def everyone_times_out():
+    raise RuntimeError("[unbound_buffer.cc:78] Timed out waiting 30000ms for recv operation to complete")
+
+
+def test_a_timeout_on_every_rank_restarts_the_pool_whose_links_it_broke():
+    # gloo closes the pairs of a rank that timed out: a group kept after it fails every later call
+    run(2, rank_and_sum, 0)
+    pids_before = [p.pid for p in harness._pools[2].procs]
+    with pytest.raises(RankFailure, match="Timed out waiting"):
+        run(2, everyone_times_out)
+    assert [p.pid for p in harness._pools[2].procs] != pids_before
+    assert run(2, rank_and_sum, 0) == [(0, 1.0), (1, 1.0)]
+
+
 def test_each_rank_draws_different_data():
     a, b = run(2, draw, 5)
     assert a != b

@@ -110,9 +110,10 @@ def pytest_runtest_logreport(report):
     case = re.search(r"(?:Falsifying example|Failing test case): \w+\((.*?)\n\s*\)((?:\n\s*Draw \d+: [^\n]*)*)", plain,
                      re.S)
     print(f"FAIL  {meaning}\n      yours: {error[:200]}", flush=True)
-    if re.search(r"[Tt]imed out|[Tt]imeout|no answer", text):  # a hang: where each rank of yours waited
+    said = re.findall(r"^\s*rank \d+(?: failed: |: )(.*)$", plain, re.M)  # each rank's own first line
+    if any(re.search(r"[Tt]imed out|[Tt]imeout|no answer|waited for rank", line) for line in said):  # a hang:
         for rank, block in re.findall(r"^\s*rank (\d+)(?: failed|:)(.*?)(?=^\s*rank \d+(?: failed|:)|\Z)", plain,
-                                      re.M | re.S):
+                                      re.M | re.S):  # where each rank of yours waited
             frames = re.findall(r'File "' + re.escape(os.environ.get("MINI_DIST_EXERCISES", WORKSPACE)) +
                                 r'/([^"]+)", line (\d+), in (\w+)\n\s*(.+)', block)
             if frames:
