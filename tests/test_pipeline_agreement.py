@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -111,7 +111,10 @@ def test_ranks_with_other_chunks_actions_or_stages_all_raise_at_once_naming_them
 @pytest.mark.single_process
 @given(st.sampled_from(sorted(SCHEDULES)), st.integers(1, 5), st.integers(1, 9), st.integers(1, 3))
 def test_message_order_completes_under_nccls_rule_and_keeps_every_ranks_actions_in_order(name, P, M, v):
-    schedule = SCHEDULES[name](P, M, v if name in ("interleaved", "zero_bubble") else 1)
+    try:
+        schedule = SCHEDULES[name](P, M, v if name in ("interleaved", "zero_bubble") else 1)
+    except ValueError:  # M that does not split into the interleaved rounds: refused, as torch refuses it
+        assume(False)
     order = message_order(schedule)
     assert under_nccls_rule(order) == []
     for mine, theirs in zip(order, in_action_order(schedule)):
