@@ -159,7 +159,7 @@ class Executor:
             self.announced.add(message[2])
             values = [KINDS.index(message[0]), *message[1:], DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
             tensors.insert(0, torch.tensor(values + [0] * (HEADER_LEN - len(values)), device=launch.device()))
-        self.stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors[len(tensors) - 1 - first:])
+        self.stats.bytes_sent += sum(t.nbytes for t in (tensors if first else tensors[-1:]))  # a debug header: free
         self.held[message] = peer, tensors
         self.take_turns()
 

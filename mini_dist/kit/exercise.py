@@ -121,7 +121,8 @@ def pytest_runtest_logreport(report):
                 print(f"      rank {rank} waited at {file}:{line} in {function}: {code.strip()}", flush=True)
     if case:
         drawn = " ".join(case.group(2).split())
-        print(f"      smallest case: {' '.join(case.group(1).split()).rstrip(',')[:200]}{'; ' + drawn if drawn else ''}", flush=True)
+        smallest = " ".join(case.group(1).split()).rstrip(",")[:200]
+        print(f"      smallest case: {smallest}{'; ' + drawn if drawn else ''}", flush=True)
 
 
 MEANINGS: dict[str, str] = {}
@@ -135,8 +136,8 @@ def pytest_collection_modifyitems(items):
 
 def grading(module: str, workspace: str) -> tuple[dict, list[str]]:
     """The environment a check runs in (short timeouts: a hang is named in seconds) and its test files."""
-    torchrun = re.compile(r"(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_\w+|MASTER_\w+"
-                          r"|TORCHELASTIC_\w+|TORCH_NCCL_ASYNC_ERROR_HANDLING)$")  # a check starts ranks of its own
+    torchrun = re.compile(r"(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_\w+"
+                          r"|MASTER_\w+|TORCHELASTIC_\w+|TORCH_NCCL_ASYNC_ERROR_HANDLING)$")  # a check starts its own ranks
     env = dict({k: v for k, v in os.environ.items() if not torchrun.match(k)}, MINI_DIST_EXERCISES=workspace,
                PYTHONPATH=os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]),
                MINI_DIST_RANK_TIMEOUT="10", MINI_DIST_CALL_TIMEOUT="20", MINI_DIST_GRACE="1",
