@@ -92,8 +92,9 @@ def message_order(schedule: Schedule) -> tuple:
 def in_action_order(schedule: Schedule) -> tuple:
     """The naive order: each rank posts its messages as its actions come, in message_order's form."""
     P, S = len(schedule.actions), len(schedule.actions) * schedule.n_chunks
-    return tuple(tuple((a.op[:4], *route(a, r, P, S)) for a in actions if a.op not in COMPUTE and
-                       route(a, r, P, S)[0] != r) for r, actions in enumerate(schedule.actions))
+    posted = [[(a.op[:4], *route(a, r, P, S)) for a in actions if a.op not in COMPUTE]
+              for r, actions in enumerate(schedule.actions)]
+    return tuple(tuple(m for m in mine if m[1] != r) for r, mine in enumerate(posted))  # not to itself
 
 
 def under_nccls_rule(order: tuple) -> list[str]:
