@@ -79,3 +79,28 @@ def subgroup(ranks) -> object:
     if key not in _groups:
         _groups[key] = launch.new_group(key)
     return _groups[key]
+
+
+# ----- commands the tests start: torchrun, run.sh, a learner's check -----
+
+def command(args: list, timeout: float = 900, **kwargs) -> "subprocess.CompletedProcess":
+    """subprocess.run(args, capture_output=True, text=True) in a session of its own. The timeout is only
+    against a real hang (a busy machine may be slow, and no test judges the clock): past it, the whole
+    session (run.sh, torchrun and every rank they started, which would keep the pipes open) is killed and
+    the test fails with the tail of what the command printed."""
+    import signal
+    import subprocess
+    job = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           **kwargs)
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        out, err = job.communicate()
+        pytest.fail(f"{' '.join(map(str, args))} still ran after {timeout:.0f} s (a hang):\n{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        try:
+            os.killpg(job.pid, signal.SIGKILL)  # nothing it started outlives the test
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(args, job.returncode, out, err)

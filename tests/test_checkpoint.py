@@ -8,7 +8,6 @@ identical bits is a bug. Only training on after a change of world size may diffe
 """
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import zlib
@@ -19,7 +18,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import BACKEND, RankFailure, device, run
+from harness import BACKEND, RankFailure, command, device, run
 from mini_dist import checkpoint, recovery, reshard
 from mini_dist.checkpoint import CheckpointError, Sharded, overlap
 
@@ -621,15 +620,9 @@ def test_a_rank_killed_mid_training_and_restarted_by_torchrun_ends_with_the_unin
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     try:
-        job = subprocess.Popen([torchrun, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                                "--monitor-interval=0.1", recovery.__file__, *RECOVERY, "--dir", directory],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**env, "OMP_NUM_THREADS": "1"}, start_new_session=True)
-        try:
-            out, err = job.communicate(timeout=900)  # only against a real hang
-        except subprocess.TimeoutExpired:
-            os.killpg(job.pid, 9)  # torchrun and the ranks it started: none outlives the test
-            out, err = job.communicate()
+        job = command([torchrun, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "--monitor-interval=0.1",
+                       recovery.__file__, *RECOVERY, "--dir", directory], env={**env, "OMP_NUM_THREADS": "1"})
+        out, err = job.stdout, job.stderr
         assert job.returncode == 0, out + err[-4000:]
         assert "restarted by torchrun (restart 1 of 1): resumed from step 4" in out, out
         assert sorted(os.listdir(directory)) == ["step_00000004", "step_00000006"]  # --keep 2
@@ -647,9 +640,8 @@ def test_a_rank_that_leaves_fsdp_training_with_status_0_is_named_by_the_rank_lef
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "leave_mid_fsdp.py")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    job = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", script, "--leave-at", "3", "--rank", "1"],
-                         capture_output=True, text=True, timeout=900,  # only against a real hang
-                         env={**env, "OMP_NUM_THREADS": "1", "MINI_DIST_TIMEOUT": "20"})
+    job = command([torchrun, "--standalone", "--nproc_per_node=2", script, "--leave-at", "3", "--rank", "1"],
+                  env={**env, "OMP_NUM_THREADS": "1", "MINI_DIST_TIMEOUT": "20"})
     named = [line for line in job.stderr.splitlines() if line.startswith("[rank0]: RuntimeError: FSDP unit")]
     assert job.returncode != 0 and named, job.stderr[-3000:]
     assert "failed on rank 0: lost rank 1 (it left the group" in named[0], named[0]

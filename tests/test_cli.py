@@ -8,10 +8,11 @@ before any process group exists (WORLD_SIZE comes from the environment, as torch
 """
 import importlib
 import os
-import subprocess
 import sys
 
 import pytest
+
+from harness import command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIT_DEMOS = ["kit.debug", "kit.launch", "kit.measure"]  # the kit's modules that teach something of their own
@@ -113,8 +114,7 @@ def run_sh(*args, env=None):
                                                                   "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
     # the timeout is only against a real hang: a busy machine may be slow, and no test judges the clock
     environment.update(env or {})
-    return subprocess.run([os.path.join(ROOT, "run.sh"), *args], capture_output=True, text=True, timeout=900,
-                          env=environment)
+    return command([os.path.join(ROOT, "run.sh"), *args], env=environment)
 
 
 def test_run_sh_planner_help_is_the_planners_help():

@@ -8,11 +8,11 @@ planted in the reference fails `check`.
 """
 import ast
 import os
-import subprocess
 import sys
 
 import pytest
 
+from harness import command
 from mini_dist.kit import exercise
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,7 +68,7 @@ def check(module, workspace, source, every=False):
         f.write(source)
     code = (f"import sys; sys.path.insert(0, {ROOT!r}); from mini_dist.kit import exercise; "
             f"raise SystemExit(exercise.check({module!r}, {str(workspace)!r}, demo=False, every={every}))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+    result = command([sys.executable, "-c", code], cwd=ROOT,
                             env={k: v for k, v in os.environ.items() if k != "HYPOTHESIS_PROFILE"})
     return result.returncode, result.stdout + result.stderr
 

@@ -5,7 +5,6 @@ Integer arithmetic is asserted exactly (==); float ratios (bubble, Amdahl) with 
 relative: a handful of float operations, each rounding by at most 2^-53.
 """
 import math
-import subprocess
 import sys
 from dataclasses import replace
 from types import SimpleNamespace
@@ -14,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import ROOT
+from harness import ROOT, command
 from mini_dist import planner
 from mini_dist.cost_model import GB, Cluster, Model, Plan, amdahl, bubble, gpt_params, model_state_bytes, validate
 from mini_dist.planner import candidates, evaluate, recommend
@@ -155,8 +154,7 @@ def test_bad_input_gets_an_error_saying_what_to_change(model, plan, cluster, mes
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "mini_dist.planner", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)  # only against a real hang
+    return command([sys.executable, "-m", "mini_dist.planner", *args], cwd=ROOT)
 
 
 def test_demo_prints_the_worked_example_and_a_passing_summary_line():

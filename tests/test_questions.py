@@ -9,11 +9,10 @@ markdown page lists every question with its command.
 """
 import importlib
 import os
-import subprocess
 
 import pytest
 
-from harness import run
+from harness import command, run
 from mini_dist import questions
 from mini_dist.kit import launch
 
@@ -43,8 +42,7 @@ def test_the_questions_are_numbered_1_to_n_and_each_names_a_demo_that_exists():
 def run_sh(*args):
     environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                                   "MASTER_PORT", "MASTER_ADDR")}
-    return subprocess.run([os.path.join(ROOT, "run.sh"), "ask", *args], capture_output=True, text=True, timeout=900,
-                          env=environment)
+    return command([os.path.join(ROOT, "run.sh"), "ask", *args], env=environment)
 
 
 def test_run_sh_ask_prints_each_answer_and_its_measured_figure():

@@ -7,9 +7,10 @@ to exit 0. Slow (several minutes): CI runs it with -m slow.
 """
 import multiprocessing
 import os
-import subprocess
 
 import pytest
+
+from harness import command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +29,7 @@ def test_every_demo_of_the_tour_exits_0_on_a_loaded_machine():
     try:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
                                                                 "MASTER_ADDR", "OMP_NUM_THREADS")}
-        result = subprocess.run([os.path.join(ROOT, "run.sh")], capture_output=True, text=True, env=env, cwd=ROOT)
+        result = command([os.path.join(ROOT, "run.sh")], timeout=2400, env=env, cwd=ROOT)
     finally:
         stop.set()
         for hog in hogs:
