@@ -8,11 +8,12 @@ planted in the reference fails `check`.
 """
 import ast
 import os
+import re
 import sys
 
 import pytest
 
-from harness import command
+from harness import command, run
 from mini_dist.kit import exercise
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,5 +117,37 @@ def test_a_hang_is_named_with_the_line_where_each_rank_waited(tmp_path):
     assert source.count(right) == 1, "the planted line moved"
     code, out = check("ring_allreduce", tmp_path, source.replace(right, wrong))
     assert code == 1 and "Timed out" in out, out
-    for rank in (0, 1):  # the smallest world that hangs: 2 ranks
-        assert f"rank {rank} waited at ring_allreduce.py:" in out and "in textbook_all_gather_steps: dist.recv(" in out
+    # each rank waits for its right neighbour: a cycle through every rank of the world hypothesis ended with
+    # (shrinking stops after 10 s, so not always at the smallest world that hangs, 2 ranks)
+    world = int(re.search(r"smallest case: .*\bworld=(\d+)", out).group(1))
+    waits = re.findall(r"rank (\d+) waited for rank (\d+) at ring_allreduce.py:\d+ in textbook_all_gather_steps: "
+                       r"dist.recv\(", out)
+    assert sorted((int(r), int(s)) for r, s in waits) == [(r, (r + 1) % world) for r in range(world)], out
+
+
+def recv_from_a_silent_peer(use_group_src):
+    """Rank 0 receives from rank 1, which never sends, in a group with a 1 s timeout; dist.send and dist.recv
+    are restored afterwards (the pool's ranks live on)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=1))
+    real = dist.send, dist.recv
+    exercise.name_peers()
+    try:
+        if dist.get_rank() == 0:
+            try:
+                dist.recv(torch.zeros(1), **({"group_src": 1, "group": group} if use_group_src else {"src": 1, "group": group}))
+            except Exception as e:
+                return f"{type(e).__name__}: {e}"
+        return None
+    finally:
+        dist.send, dist.recv = real
+
+
+@pytest.mark.parametrize("use_group_src", [False, True])
+def test_a_learners_blocking_recv_that_times_out_names_the_rank_it_waited_for(use_group_src):
+    said, nothing = run(2, recv_from_a_silent_peer, use_group_src)
+    assert nothing is None and said.startswith("PeerLost: recv from rank 1 timed out ("), said
+    assert "rank 1 never posted the matching send" in said, said

@@ -87,6 +87,32 @@ def write(module: str, force: bool = False, workspace: str = WORKSPACE) -> str:
 SHRINK_S = 10  # a learner waits for the answer: shrinking stops after this long (hypothesis' own limit: 300 s)
 
 
+def name_peers() -> None:
+    """In a check, a learner's blocking dist.send / dist.recv that outlives the group's timeout says which rank
+    it waited for: gloo's own words name no peer, and a hang is named by who waits for whom."""
+    import torch.distributed as dist
+
+    from mini_dist.kit.debug import TIMED_OUT, PeerLost
+
+    def named(fn, way, ends):  # ends: the peer's keywords, global and group rank (src, group_src or dst, ...)
+        def call(tensor, *args, **kwargs):
+            try:
+                return fn(tensor, *args, **kwargs)
+            except RuntimeError as e:
+                if not TIMED_OUT.search(str(e)):
+                    raise
+                peer = args[0] if args else kwargs.get(ends[0])
+                group = args[1] if len(args) > 1 else kwargs.get("group")
+                if peer is None and kwargs.get(ends[1]) is not None:
+                    peer = dist.get_global_rank(group or dist.group.WORLD, kwargs[ends[1]])
+                who = "any rank" if peer is None else f"rank {peer}"
+                raise PeerLost(f"{way} {who} timed out ({str(e).splitlines()[0]}): {who} never posted the "
+                               f"matching {'recv' if way.startswith('send') else 'send'}; is it waiting too?") from e
+        return call
+    dist.send = named(dist.send, "send to", ("dst", "group_dst"))
+    dist.recv = named(dist.recv, "recv from", ("src", "group_src"))
+
+
 def pytest_configure(config):
     from hypothesis.internal.conjecture import engine  # an internal constant: without it, shrinking takes longer
     engine.MAX_SHRINKING_SECONDS = SHRINK_S
@@ -121,7 +147,9 @@ def pytest_runtest_logreport(report):
                                 r'/([^"]+)", line (\d+), in (\w+)\n\s*(.+)', block)
             if frames:
                 file, line, function, code = frames[-1]
-                print(f"      rank {rank} waited at {file}:{line} in {function}: {code.strip()}", flush=True)
+                peer = re.search(r"(?:recv from|send to|waited for) (rank \d+|any rank)", block)
+                print(f"      rank {rank} waited{' for ' + peer.group(1) if peer else ''} at {file}:{line} in {function}: "
+                      f"{code.strip()}", flush=True)
     if case:
         drawn = " ".join(case.group(2).split())
         smallest = " ".join(case.group(1).split()).rstrip(",")[:200]
@@ -166,7 +194,7 @@ def check(module: str, workspace: str = WORKSPACE, demo: bool = True, every: boo
                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), []
     for line in result.stdout:
         said.append(line)
-        if line.startswith(("PASS", "FAIL", "      ")):
+        if line.startswith(("PASS", "FAIL")) or re.match(r" {6}\S", line):  # a verdict and its own lines
             print(line, end="", flush=True)
     status = 0 if result.wait() == 0 else 1
     if not any(line.startswith(("PASS", "FAIL")) for line in said):
