@@ -98,6 +98,11 @@ launch() {
   # torchrun warns (once per run) and sets 1 thread per rank when OMP_NUM_THREADS is unset: share the
   # cores among the ranks ourselves
   cores=$(nproc)
+  local quota period  # a container may see every core of its host and get a quota of two
+  if read -r quota period 2>/dev/null < /sys/fs/cgroup/cpu.max && [ "$quota" != max ]; then
+    cores=$(( (quota + period - 1) / period < cores ? (quota + period - 1) / period : cores ))
+    [ "$cores" -ge 1 ] || cores=1
+  fi
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / ranks > 1 ? cores / ranks : 1 ))}
   err=$(mktemp)
   trap 'cat "$err" >&2; rm -f "$err"' INT TERM

@@ -69,8 +69,8 @@ def check(module, workspace, source, every=False):
         f.write(source)
     code = (f"import sys; sys.path.insert(0, {ROOT!r}); from mini_dist.kit import exercise; "
             f"raise SystemExit(exercise.check({module!r}, {str(workspace)!r}, demo=False, every={every}))")
-    result = command([sys.executable, "-c", code], cwd=ROOT,
-                            env={k: v for k, v in os.environ.items() if k != "HYPOTHESIS_PROFILE"})
+    result = command([sys.executable, "-c", code], timeout=300, cwd=ROOT,
+                     env={k: v for k, v in os.environ.items() if k != "HYPOTHESIS_PROFILE"})
     return result.returncode, result.stdout + result.stderr
 
 
