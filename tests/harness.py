@@ -97,7 +97,8 @@ def command(args: list, timeout: float = 900, **kwargs) -> "subprocess.Completed
     except subprocess.TimeoutExpired:
         os.killpg(job.pid, signal.SIGKILL)
         out, err = job.communicate()
-        pytest.fail(f"{' '.join(map(str, args))} still ran after {timeout:.0f} s (a hang):\n{out[-3000:]}\n{err[-3000:]}")
+        pytest.fail(f"{' '.join(map(str, args))} still ran after {timeout:.0f} s (a hang):\n"
+                    f"{out[-3000:]}\n{err[-3000:]}")
     finally:
         try:
             os.killpg(job.pid, signal.SIGKILL)  # nothing it started outlives the test

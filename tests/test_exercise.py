@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from harness import command, run
+from harness import command, device, run
 from mini_dist.kit import exercise
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,6 +61,24 @@ def test_write_refuses_to_overwrite_work_in_progress_unless_forced(tmp_path):
         exercise.write("ring_allreduce", workspace=str(tmp_path))
     exercise.write("ring_allreduce", force=True, workspace=str(tmp_path))
     assert "# my work" not in open(path).read()
+
+
+@pytest.mark.single_process
+def test_the_checks_shrink_bound_is_one_hypothesis_still_reads():
+    """The bound is an internal constant of hypothesis': an upgrade that renames it must fail here, not
+    leave a learner waiting 300 s for each smallest case."""
+    import inspect
+
+    from hypothesis.internal.conjecture import engine
+    saved = engine.MAX_SHRINKING_SECONDS
+    try:
+        exercise.pytest_configure(None)
+        assert engine.MAX_SHRINKING_SECONDS == exercise.SHRINK_S == 10
+    finally:
+        engine.MAX_SHRINKING_SECONDS = saved
+    source = inspect.getsource(engine)
+    reads = re.findall(r"^(?!\s*#)(?!MAX_SHRINKING_SECONDS\b).*\bMAX_SHRINKING_SECONDS\b", source, re.M)
+    assert reads, "hypothesis no longer reads MAX_SHRINKING_SECONDS: bound the check's shrinking another way"
 
 
 def check(module, workspace, source, every=False):
@@ -138,7 +156,8 @@ def recv_from_a_silent_peer(use_group_src):
     try:
         if dist.get_rank() == 0:
             try:
-                dist.recv(torch.zeros(1), **({"group_src": 1, "group": group} if use_group_src else {"src": 1, "group": group}))
+                peer = {"group_src": 1} if use_group_src else {"src": 1}
+                dist.recv(torch.zeros(1, device=device()), group=group, **peer)
             except Exception as e:
                 return f"{type(e).__name__}: {e}"
         return None

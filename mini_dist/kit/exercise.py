@@ -148,8 +148,8 @@ def pytest_runtest_logreport(report):
             if frames:
                 file, line, function, code = frames[-1]
                 peer = re.search(r"(?:recv from|send to|waited for) (rank \d+|any rank)", block)
-                print(f"      rank {rank} waited{' for ' + peer.group(1) if peer else ''} at {file}:{line} in {function}: "
-                      f"{code.strip()}", flush=True)
+                whom = f" for {peer.group(1)}" if peer else ""
+                print(f"      rank {rank} waited{whom} at {file}:{line} in {function}: {code.strip()}", flush=True)
     if case:
         drawn = " ".join(case.group(2).split())
         smallest = " ".join(case.group(1).split()).rstrip(",")[:200]
@@ -168,7 +168,7 @@ def pytest_collection_modifyitems(items):
 def grading(module: str, workspace: str) -> tuple[dict, list[str]]:
     """The environment a check runs in (short timeouts: a hang is named in seconds) and its test files."""
     torchrun = re.compile(r"(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_\w+"
-                          r"|MASTER_\w+|TORCHELASTIC_\w+|TORCH_NCCL_ASYNC_ERROR_HANDLING)$")  # a check starts its own ranks
+                          r"|MASTER_\w+|TORCHELASTIC_\w+|TORCH_NCCL_ASYNC_ERROR_HANDLING)$")  # the check starts ranks
     env = dict({k: v for k, v in os.environ.items() if not torchrun.match(k)}, MINI_DIST_EXERCISES=workspace,
                PYTHONPATH=os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]),
                # a rank that lags its peers (a busy machine) still reports its own timeout within the grace
@@ -204,8 +204,9 @@ def check(module: str, workspace: str = WORKSPACE, demo: bool = True, every: boo
     if demo and status == 0:
         # two ranks: a 2-core laptop runs them side by side (the properties drew 1 to 5 ranks already)
         ranks = "1" if module in ("activation_checkpoint", "cost_model") else "2"
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                              path], cwd=ROOT, env=env, capture_output=True, text=True)
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc_per_node={ranks}", path], cwd=ROOT, capture_output=True, text=True,
+                             env=dict(env, MINI_DIST_TIMEOUT=env["MINI_DIST_RANK_TIMEOUT"]))  # a hang: 10 s
         summary = [line for line in run.stdout.splitlines() if line.startswith("SUMMARY|")]
         print(f"{'PASS' if run.returncode == 0 else 'FAIL'}  the demo, run from your copy on {ranks} rank(s): "
               f"{summary[0].split('|', 2)[2] if summary else (run.stderr.strip().splitlines() or ['?'])[-1]}")
