@@ -5,6 +5,8 @@ returns a wrong sum: that is the mistake the mode exists for. With it, every ran
 shapes and the lines that called (the mini_dist layer and the user's own line). The ring and the pipeline
 name a vanished peer (tests/test_ring_allreduce.py, tests/test_pipeline.py); here `wait_for` itself.
 """
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,6 +29,19 @@ def sum_with_one_rank_transposed(on, bad):
         return torch.equal(comm.g(x), dist.get_world_size() * x)
     finally:
         debug.DEBUG = before
+
+
+def debug_mode():
+    return debug.DEBUG
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_the_suites_ranks_run_in_debug_mode_though_their_server_imported_debug_without_it(world):
+    """The pool's ranks are forked from a server that may import mini_dist.kit.debug (here: harness, preloaded)
+    before MINI_DIST_DEBUG=1 is set for the ranks; each rank reads it again."""
+    import harness
+    assert harness.ENV["MINI_DIST_DEBUG"] == "1" and "MINI_DIST_DEBUG" not in os.environ
+    assert run(world, debug_mode) == [True] * world
 
 
 @pytest.mark.parametrize("world", [2, 4])

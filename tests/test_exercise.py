@@ -10,6 +10,7 @@ import ast
 import os
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -79,6 +80,40 @@ def test_the_checks_shrink_bound_is_one_hypothesis_still_reads():
     source = inspect.getsource(engine)
     reads = re.findall(r"^(?!\s*#)(?!MAX_SHRINKING_SECONDS\b).*\bMAX_SHRINKING_SECONDS\b", source, re.M)
     assert reads, "hypothesis no longer reads MAX_SHRINKING_SECONDS: bound the check's shrinking another way"
+
+
+def failing(lines: list[str]) -> SimpleNamespace:
+    """A failed property's report as pytest hands it to the check's plugin: the pool's RankFailure."""
+    return SimpleNamespace(when="call", nodeid="tests/test_ring_allreduce.py::test_x", passed=False,
+                           longreprtext="\n".join(["E   mini_dist.kit.ranks.RankFailure: prop failed on 3 ranks:",
+                                                   *[f"E   {line}" for line in lines]]))
+
+
+def frame(workspace, line, function, code):
+    return [f'  File "{workspace}/ring_allreduce.py", line {line}, in {function}', f"    {code}"]
+
+
+@pytest.mark.single_process
+def test_the_report_names_the_rank_whose_own_error_came_first_and_where_only_the_waiting_ranks_waited(
+        monkeypatch, capsys, tmp_path):
+    """Rank 1 raised (the cause); rank 0 then timed out in its send to rank 1, and rank 2 lost rank 0. The
+    learner reads rank 1's error, and a hang line for each rank that waited (not for rank 1, which raised)."""
+    monkeypatch.setenv("MINI_DIST_EXERCISES", str(tmp_path))
+    at = frame(tmp_path, 83, "textbook_reduce_scatter_steps", "send_recv(send, left, incoming, right)")
+    exercise.pytest_runtest_logreport(failing([
+        "rank 0 failed: RuntimeError: [../gloo/pair.cc:81] Timed out waiting 10000ms for send operation", *at,
+        "rank 1 failed: Disagreement: rank 1 sends 0 elements to rank 2, which expects 1 (off by one?)", *at,
+        "rank 2 failed: PeerLost: all-gather: waited for rank 0 until the group's timeout (Timed out)", *at]))
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "      yours: rank 1: Disagreement: rank 1 sends 0 elements to rank 2, which expects 1 (off by one?)"
+    assert [line.split(" at ")[0].strip() for line in out[2:]] == ["rank 0 waited", "rank 2 waited for rank 0"]
+    exercise.pytest_runtest_logreport(failing([  # every rank waited: the first timeout, not the closed connection
+        "rank 0 failed: RuntimeError: Connection closed by peer [127.0.0.1]:5530", *at,
+        "rank 1 failed: PeerLost: recv from rank 0 timed out (Timed out waiting 10000ms)", *at,
+        "rank 2: no answer (hung, or blocked waiting for a failed rank)"]))
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "      yours: rank 1: PeerLost: recv from rank 0 timed out (Timed out waiting 10000ms)"
+    assert [line.split(" at ")[0].strip() for line in out[2:]] == ["rank 0 waited", "rank 1 waited for rank 0"]
 
 
 def check(module, workspace, source, every=False):

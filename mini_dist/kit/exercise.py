@@ -92,8 +92,6 @@ def name_peers() -> None:
     it waited for: gloo's own words name no peer, and a hang is named by who waits for whom."""
     import torch.distributed as dist
 
-    from mini_dist.kit.debug import TIMED_OUT, PeerLost
-
     def named(fn, way, ends):  # ends: the peer's keywords, global and group rank (src, group_src or dst, ...)
         def call(tensor, *args, **kwargs):
             try:
@@ -101,6 +99,7 @@ def name_peers() -> None:
             except RuntimeError as e:
                 if not TIMED_OUT.search(str(e)):
                     raise
+                from mini_dist.kit.debug import PeerLost  # here: imported at install, it would read debug mode
                 peer = args[0] if args else kwargs.get(ends[0])
                 group = args[1] if len(args) > 1 else kwargs.get("group")
                 if peer is None and kwargs.get(ends[1]) is not None:
@@ -129,27 +128,23 @@ def pytest_runtest_logreport(report):
     text = report.longreprtext
     plain = re.sub(r"^E ", "", text, flags=re.M)  # pytest's prefix on the lines of the error
     error = next((line[1:].strip() for line in text.splitlines() if line.startswith("E ")), "failed")
-    on_rank = re.search(r"^E?\s*(rank \d+) failed: (.+)$", text, re.M)  # a rank's own error, not the pool's
-    if "RankFailure" in error and on_rank:
-        error = f"{on_rank.group(1)}: {on_rank.group(2)}"
-    error = re.sub(r"\[\S*\.cc:\d+\] ", "", error)  # gloo's source line, no help to a learner
     case = re.search(r"(?:Falsifying example|Failing test case): \w+\((.*?)\n\s*\)((?:\n\s*Draw \d+: [^\n]*)*)", plain,
                      re.S)
     said = re.findall(r"^\s*(rank \d+)(?: failed: |: )(.*)$", plain, re.M)  # each rank's own first line
-    waited = [(rank, line) for rank, line in said if re.search(r"[Tt]imed out|[Tt]imeout|waited for rank", line)]
-    if waited:  # a hang: the rank that timed out is the cause; its peers' closed connections are the effect
-        error = re.sub(r"\[\S*\.cc:\d+\] ", "", f"{waited[0][0]}: {waited[0][1]}")
+    if "RankFailure" in error and said:  # the cause: an error of its own, before a wait its peers then timed out
+        error = ": ".join(next((r for r in said if not WAITED.search(r[1])), None)  # (a timeout, before the
+                          or next((r for r in said if TIMED_OUT.search(r[1])), said[0]))  # connections it closed)
+    error = re.sub(r"\[\S*\.cc:\d+\] ", "", error)  # gloo's source line, no help to a learner
     print(f"FAIL  {meaning}\n      yours: {error[:200]}", flush=True)
-    if waited or any("no answer" in line for _, line in said):
-        for rank, block in re.findall(r"^\s*rank (\d+)(?: failed|:)(.*?)(?=^\s*rank \d+(?: failed|:)|\Z)", plain,
-                                      re.M | re.S):  # where each rank of yours waited
-            frames = re.findall(r'File "' + re.escape(os.environ.get("MINI_DIST_EXERCISES", WORKSPACE)) +
-                                r'/([^"]+)", line (\d+), in (\w+)\n\s*(.+)', block)
-            if frames:
-                file, line, function, code = frames[-1]
-                peer = re.search(r"(?:recv from|send to|waited for) (rank \d+|any rank)", block)
-                whom = f" for {peer.group(1)}" if peer else ""
-                print(f"      rank {rank} waited{whom} at {file}:{line} in {function}: {code.strip()}", flush=True)
+    blocks = re.findall(r"^\s*rank (\d+)(?: failed|:)(.*?)(?=^\s*rank \d+(?: failed|:)|\Z)", plain, re.M | re.S)
+    for rank, block in blocks if any(TIMED_OUT.search(line) for _, line in said) else ():  # a hang: where each
+        frames = re.findall(r'File "' + re.escape(os.environ.get("MINI_DIST_EXERCISES", WORKSPACE)) +  # rank waited
+                            r'/([^"]+)", line (\d+), in (\w+)\n\s*(.+)', block)
+        if frames and WAITED.search(block.split("\n", 1)[0]):
+            file, line, function, code = frames[-1]
+            peer = re.search(r"(?:recv from|send to|waited for) (rank \d+|any rank)", block)
+            whom = f" for {peer.group(1)}" if peer else ""
+            print(f"      rank {rank} waited{whom} at {file}:{line} in {function}: {code.strip()}", flush=True)
     if case:
         drawn = " ".join(case.group(2).split())
         smallest = " ".join(case.group(1).split()).rstrip(",")[:200]
@@ -157,6 +152,8 @@ def pytest_runtest_logreport(report):
 
 
 MEANINGS: dict[str, str] = {}
+TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")  # gloo's words for a wait that outlived the group's timeout
+WAITED = re.compile(r"[Tt]imed out|[Tt]imeout|waited for rank|lost rank|no answer|[Cc]onnection (closed|reset)")
 
 
 def pytest_collection_modifyitems(items):

@@ -18,7 +18,7 @@ from multiprocessing import connection, get_context
 
 import torch
 
-from mini_dist.kit import launch
+from mini_dist.kit import debug, launch
 
 GRACE_S = float(os.environ.get("MINI_DIST_GRACE", "3"))  # how long the others may answer once one rank failed
 # a whole call, and each collective of a rank within it (./run.sh check shortens both: a hang is named in seconds)
@@ -40,6 +40,7 @@ def _worker(rank: int, world: int, port: int, conn, backend: str, env: dict) -> 
                       MINI_DIST_TIMEOUT=RANK_TIMEOUT_S)
     for key, value in env.items():
         os.environ.setdefault(key, value)
+    debug.DEBUG = os.environ.get("MINI_DIST_DEBUG") == "1"  # it was read in the server, without this env
     torch.set_num_threads(1)  # 5 ranks on 2 cores: intra-op threads would only fight each other
     launch.setup(backend)
     conn.send_bytes(pickle.dumps(("ready", rank)))
