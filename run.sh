@@ -188,7 +188,9 @@ every_demo() {
 # one GPU can show; the ordering NCCL imposes on many GPUs is proven on the CPU (tests/test_nccl_order.py).
 gpu_check() {
   local status=0
-  "$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print("GPU:", torch.cuda.get_device_name(0), "| torch", torch.__version__, "| NCCL", ".".join(map(str, torch.cuda.nccl.version())))' || return 2
+  "$PY" -c 'import torch; print("GPU:", torch.cuda.get_device_name(0), "| torch", torch.__version__, "| NCCL", ".".join(map(str, torch.cuda.nccl.version())))' 2>/dev/null || {
+    echo "./run.sh gpu: torch $("$PY" -c 'import torch; print(torch.__version__)') sees no CUDA GPU here; run it on" \
+         "a GPU node (MINI_DIST_PYTHON=python3 ./run.sh gpu uses that node's own torch)" >&2; return 2; }
   MINI_DIST_BACKEND=nccl "$PY" -m pytest -q -p no:cacheprovider tests --deselect tests/test_cli.py \
     --deselect tests/test_questions.py || status=1
   MINI_DIST_BACKEND=nccl every_demo 1 || status=1

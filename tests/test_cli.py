@@ -157,6 +157,17 @@ def test_nccl_without_gpus_is_one_line_saying_use_gloo():
     assert result.returncode == 2 and "gloo" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_the_gpu_check_without_a_gpu_is_one_line_saying_where_to_run_it():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: ./run.sh gpu would run the whole GPU check")
+    result = run_sh("gpu")
+    assert result.returncode == 2 and result.stdout == "", result
+    assert result.stderr.strip().splitlines() == [f"./run.sh gpu: torch {torch.__version__} sees no CUDA GPU here; "
+                                                  "run it on a GPU node (MINI_DIST_PYTHON=python3 ./run.sh gpu uses "
+                                                  "that node's own torch)"], result.stderr
+
+
 def test_readme_lists_every_module_with_its_demo_and_line_count():
     readme = open(os.path.join(ROOT, "README.md")).read()
     for module in DEMOS + ["planner"]:
