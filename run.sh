@@ -106,8 +106,17 @@ launch() {
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / ranks > 1 ? cores / ranks : 1 ))}
   err=$(mktemp)
   trap 'cat "$err" >&2; rm -f "$err"' INT TERM
-  "$PY" -m torch.distributed.run --standalone --nproc_per_node="$ranks" "$@" 2>"$err" || status=$?
+  # MINI_DIST_DEMO_TIMEOUT (the tour's default: 600 s) stops a demo that hangs, so a loop over demos goes on
+  local bound=() limit=${MINI_DIST_DEMO_TIMEOUT:-}
+  if [ -n "$limit" ] && command -v timeout > /dev/null; then bound=(timeout --kill-after=30 "$limit"); fi
+  ${bound[@]+"${bound[@]}"} "$PY" -m torch.distributed.run --standalone --nproc_per_node="$ranks" "$@" 2>"$err" \
+    || status=$?
   trap - INT TERM
+  if [ ${#bound[@]} -gt 0 ] && { [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; }; then
+    tail -n 20 "$err" >&2; rm -f "$err"
+    echo "./run.sh: $1 on $ranks rank(s) did not finish within MINI_DIST_DEMO_TIMEOUT=$limit s: stopped" >&2
+    return 1
+  fi
   # torchrun itself exits 1 whatever its ranks' codes were; its report names the first code seen
   if [ "$status" -ne 0 ] && grep -q 'exitcode *: 2 ' "$err" && grep -q '^[a-z_0-9.]*: error: ' "$err"; then
     grep '^[a-z_0-9.]*: error: ' "$err" | sort -u >&2
@@ -142,6 +151,7 @@ demo() {
 
 tour() {
   local log status=0 failed=() entry n=0
+  export MINI_DIST_DEMO_TIMEOUT=${MINI_DIST_DEMO_TIMEOUT:-600}
   log=$(mktemp)
   for entry in "${TOUR[@]}"; do
     set -- $entry
@@ -165,6 +175,7 @@ tour() {
 # runs it on one rank; CI on two, on the oldest torch mini_dist supports.
 every_demo() {
   local most=${1:-2} status=0 failed=() entry code
+  export MINI_DIST_DEMO_TIMEOUT=${MINI_DIST_DEMO_TIMEOUT:-600}
   for entry in "${TOUR[@]}"; do
     set -- $entry
     [ -f "mini_dist/$1.py" ] || continue

@@ -157,6 +157,14 @@ def test_nccl_without_gpus_is_one_line_saying_use_gloo():
     assert result.returncode == 2 and "gloo" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_demo_past_mini_dist_demo_timeout_is_stopped_and_named():
+    """The tour's guard against a hang (600 s there): the demo is stopped, counted failed, and named."""
+    result = run_sh("demo", "activation_checkpoint", "1", env={"MINI_DIST_DEMO_TIMEOUT": "1"})
+    assert result.returncode == 1, result
+    assert result.stderr.strip().splitlines()[-1] == ("./run.sh: mini_dist/activation_checkpoint.py on 1 rank(s) did "
+                                                      "not finish within MINI_DIST_DEMO_TIMEOUT=1 s: stopped")
+
+
 def test_the_gpu_check_without_a_gpu_is_one_line_saying_where_to_run_it():
     import torch
     if torch.cuda.is_available():
