@@ -85,9 +85,9 @@ def subgroup(ranks) -> object:
 
 def command(args: list, timeout: float = 900, **kwargs) -> "subprocess.CompletedProcess":
     """subprocess.run(args, capture_output=True, text=True) in a session of its own. The timeout is only
-    against a real hang (a busy machine may be slow, and no test judges the clock): past it, the whole
-    session (run.sh, torchrun and every rank they started, which would keep the pipes open) is killed and
-    the test fails with the tail of what the command printed."""
+    against a real hang (a busy machine may be slow, and no test judges the clock): past it, the session gets
+    SIGTERM (torchrun then stops its ranks, which run in sessions of their own and would keep the pipes open),
+    then SIGKILL, and the test fails with the tail of what the command printed."""
     import signal
     import subprocess
     job = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -95,13 +95,22 @@ def command(args: list, timeout: float = 900, **kwargs) -> "subprocess.Completed
     try:
         out, err = job.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        out, err = job.communicate()
-        pytest.fail(f"{' '.join(map(str, args))} still ran after {timeout:.0f} s (a hang):\n"
-                    f"{out[-3000:]}\n{err[-3000:]}")
+        what = "still ran" if job.poll() is None else "had exited, but a process it started still held its output"
+        out, err = "", ""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(job.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                out, err = job.communicate(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                err = "(its output stayed open: a process it started, in a session of its own, outlived it)"
+        pytest.fail(f"{' '.join(map(str, args))} {what} after {timeout:.0f} s (a hang):\n{out[-3000:]}\n{err[-3000:]}")
     finally:
         try:
-            os.killpg(job.pid, signal.SIGKILL)  # nothing it started outlives the test
+            os.killpg(job.pid, signal.SIGKILL)  # nothing it started in its session outlives the test
         except ProcessLookupError:
             pass
     return subprocess.CompletedProcess(args, job.returncode, out, err)
