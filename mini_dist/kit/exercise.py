@@ -97,9 +97,9 @@ def name_peers() -> None:
             try:
                 return fn(tensor, *args, **kwargs)
             except RuntimeError as e:
+                from mini_dist.kit.debug import TIMED_OUT, PeerLost  # not at install: a rank's fork server runs it
                 if not TIMED_OUT.search(str(e)):
                     raise
-                from mini_dist.kit.debug import PeerLost  # here: imported at install, it would read debug mode
                 peer = args[0] if args else kwargs.get(ends[0])
                 group = args[1] if len(args) > 1 else kwargs.get("group")
                 if peer is None and kwargs.get(ends[1]) is not None:
@@ -125,6 +125,8 @@ def pytest_runtest_logreport(report):
     if report.passed:
         print(f"PASS  {meaning}", flush=True)
         return
+    from mini_dist.kit.debug import TIMED_OUT
+    waited = re.compile(TIMED_OUT.pattern + WAITED)
     text = report.longreprtext
     plain = re.sub(r"^E ", "", text, flags=re.M)  # pytest's prefix on the lines of the error
     error = next((line[1:].strip() for line in text.splitlines() if line.startswith("E ")), "failed")
@@ -132,7 +134,7 @@ def pytest_runtest_logreport(report):
                      re.S)
     said = re.findall(r"^\s*(rank \d+)(?: failed: |: )(.*)$", plain, re.M)  # each rank's own first line
     if "RankFailure" in error and said:  # the cause: an error of its own, before a wait its peers then timed out
-        error = ": ".join(next((r for r in said if not WAITED.search(r[1])), None)  # (a timeout, before the
+        error = ": ".join(next((r for r in said if not waited.search(r[1])), None)  # (a timeout, before the
                           or next((r for r in said if TIMED_OUT.search(r[1])), said[0]))  # connections it closed)
     error = re.sub(r"\[\S*\.cc:\d+\] ", "", error)  # gloo's source line, no help to a learner
     print(f"FAIL  {meaning}\n      yours: {error[:200]}", flush=True)
@@ -140,7 +142,7 @@ def pytest_runtest_logreport(report):
     for rank, block in blocks if any(TIMED_OUT.search(line) for _, line in said) else ():  # a hang: where each
         frames = re.findall(r'File "' + re.escape(os.environ.get("MINI_DIST_EXERCISES", WORKSPACE)) +  # rank waited
                             r'/([^"]+)", line (\d+), in (\w+)\n\s*(.+)', block)
-        if frames and WAITED.search(block.split("\n", 1)[0]):
+        if frames and waited.search(block.split("\n", 1)[0]):
             file, line, function, code = frames[-1]
             peer = re.search(r"(?:recv from|send to|waited for) (rank \d+|any rank)", block)
             whom = f" for {peer.group(1)}" if peer else ""
@@ -152,8 +154,7 @@ def pytest_runtest_logreport(report):
 
 
 MEANINGS: dict[str, str] = {}
-TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")  # gloo's words for a wait that outlived the group's timeout
-WAITED = re.compile(r"[Tt]imed out|[Tt]imeout|waited for rank|lost rank|no answer|[Cc]onnection (closed|reset)")
+WAITED = r"|waited for rank|lost rank|no answer|[Cc]onnection (closed|reset)"  # beside debug.TIMED_OUT's words
 
 
 def pytest_collection_modifyitems(items):
