@@ -105,7 +105,8 @@ def test_the_report_names_the_rank_whose_own_error_came_first_and_where_only_the
         "rank 1 failed: Disagreement: rank 1 sends 0 elements to rank 2, which expects 1 (off by one?)", *at,
         "rank 2 failed: PeerLost: all-gather: waited for rank 0 until the group's timeout (Timed out)", *at]))
     out = capsys.readouterr().out.splitlines()
-    assert out[1] == "      yours: rank 1: Disagreement: rank 1 sends 0 elements to rank 2, which expects 1 (off by one?)"
+    assert out[1] == ("      yours: rank 1: Disagreement: rank 1 sends 0 elements to rank 2, which expects 1 "
+                      "(off by one?)")
     assert [line.split(" at ")[0].strip() for line in out[2:]] == ["rank 0 waited", "rank 2 waited for rank 0"]
     exercise.pytest_runtest_logreport(failing([  # every rank waited: the first timeout, not the closed connection
         "rank 0 failed: RuntimeError: Connection closed by peer [127.0.0.1]:5530", *at,

@@ -110,3 +110,18 @@ def test_a_parametrized_propertys_own_example_count_is_scaled_once_not_once_per_
 
     scale_own_settings([SimpleNamespace(obj=prop) for _ in range(5)], 8)  # 5 parametrized items, one function
     assert prop._hypothesis_internal_use_settings.max_examples == 96
+
+
+@pytest.mark.single_process
+def test_a_command_past_its_timeout_fails_the_test_and_leaves_nothing_running(tmp_path):
+    """harness.command: a hang ends the test with what the command printed, and every process it started in
+    its session is gone (a child still holding the pipes would make the test wait forever)."""
+    pidfile = tmp_path / "child"
+    with pytest.raises(pytest.fail.Exception, match=r"still ran after 1 s \(a hang\):\nstarted"):
+        harness.command(["bash", "-c", f"echo started; sleep 60 & echo $! > {pidfile}; wait"], timeout=1)
+    try:  # gone, or a zombie its new parent has not reaped yet: not running either way
+        state = open(f"/proc/{int(pidfile.read_text())}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z"), state
+    assert harness.command(["bash", "-c", "echo done"]).stdout == "done\n"
