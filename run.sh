@@ -104,6 +104,8 @@ launch() {
     [ "$cores" -ge 1 ] || cores=1
   fi
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / ranks > 1 ? cores / ranks : 1 ))}
+  # a rank killed by a signal (SIGSEGV, or SIGABRT from C++ inside torch) prints every thread's Python stack
+  export PYTHONFAULTHANDLER=${PYTHONFAULTHANDLER:-1}
   err=$(mktemp)
   trap 'cat "$err" >&2; rm -f "$err"' INT TERM
   # MINI_DIST_DEMO_TIMEOUT (the tour's default: 600 s) stops a demo that hangs, so a loop over demos goes on
@@ -174,7 +176,7 @@ tour() {
 # grid flags; a demo that cannot run on so few says so and exits 2, which is not a failure. The GPU check
 # runs it on one rank; CI on two, on the oldest torch mini_dist supports.
 every_demo() {
-  local most=${1:-2} status=0 failed=() entry code out
+  local most=${1:-2} status=0 failed=() crashed=() entry code out signal
   export MINI_DIST_DEMO_TIMEOUT=${MINI_DIST_DEMO_TIMEOUT:-600}
   out=$(mktemp)
   for entry in "${TOUR[@]}"; do
@@ -185,6 +187,14 @@ every_demo() {
     [ "$ranks" -lt "$most" ] || [[ ! " $* " =~ \ --(ranks-per-node|dp|pp|cp|tp|ep)\  ]] || set --
     echo "=== $module on $ranks rank(s) ==="
     demo "$module" "$ranks" "$@" > "$out" 2>&1 && code=0 || code=$?
+    if [ "$code" -ne 0 ] && signal=$(grep -o -m1 'Signal [0-9]* (SIG[A-Z]*)' "$out"); then
+      # a rank killed by a signal is a crash inside torch's C++, not a check that failed: shown whole, then
+      # run once more; the final line names it either way
+      tail -n 60 "$out"
+      echo "=== $module: a rank was killed by $signal: once more ==="
+      demo "$module" "$ranks" "$@" > "$out" 2>&1 && code=0 || code=$?
+      crashed+=("$module ($signal, then exit $code)")
+    fi
     case $code in  # a pass shows its last lines; a failure enough to see which rank died, and how
       0) tail -n 4 "$out" ;;
       2) tail -n 4 "$out"; echo "(needs more ranks: not a failure)" ;;
@@ -193,6 +203,7 @@ every_demo() {
   done
   rm -f "$out"
   echo "torch $("$PY" -c 'import torch; print(torch.__version__)'): ${#failed[@]} demo(s) failed${failed[*]:+: ${failed[*]}}"
+  [ ${#crashed[@]} -eq 0 ] || echo "a rank was killed by a signal, output above, in: ${crashed[*]}"
   return $status
 }
 

@@ -165,6 +165,65 @@ def test_a_demo_past_mini_dist_demo_timeout_is_stopped_and_named():
                                                       "not finish within MINI_DIST_DEMO_TIMEOUT=1 s: stopped")
 
 
+EXIT_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+from mini_dist.kit import launch
+threads = lambda: [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+def demo(args):
+    launch.setup("gloo")
+    torch.optim.Adam([torch.nn.Parameter(torch.ones(2))])  # imports torch._dynamo, and torch.distributed.nn with it
+    mesh = [launch.new_group([0])]
+    mesh.append(mesh)                                        # a group in a reference cycle, as a DeviceMesh keeps one
+    dist.all_reduce(torch.ones(2), group=mesh[0])
+    print("during", sorted(threads()), flush=True)
+    return launch.conclude("exit", True, "", True, "")
+code = launch.main(launch.demo_parser("exit"), demo, [])
+print("after", sorted(threads()), flush=True)
+"""
+
+
+def test_no_gloo_worker_thread_outlives_a_demo_so_none_is_alive_while_python_exits(tmp_path):
+    """A process group that outlives its demo keeps its gloo worker threads alive as Python exits; one of them
+    releasing a collective's tensor then aborts the rank (SIGABRT). Two ways a group outlives
+    destroy_process_group: torch.distributed.nn's defaults, when first imported after init (torch.optim
+    imports it), and a reference cycle. After launch.main neither may leave a thread."""
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    result = command([sys.executable, str(script)], env={**env, "PYTHONPATH": ROOT}, cwd=str(tmp_path))
+    assert result.returncode == 0, result
+    during = next(line for line in result.stdout.splitlines() if line.startswith("during"))
+    after = next(line for line in result.stdout.splitlines() if line.startswith("after"))
+    assert "pt_gloo_runloop" in during, during  # the name torch gives the thread: the check below can see it
+    assert "pt_gloo_runloop" not in after, after
+
+
+def test_every_demo_reruns_once_a_demo_whose_rank_a_signal_killed_and_names_it(tmp_path):
+    """./run.sh demos (CI's run on the oldest torch, the GPU check): a rank killed by a signal is run once more
+    and named on the last line; one killed twice, or a check that fails (exit 1, never rerun), is a failure.
+    Three stand-in demos in a copy of run.sh's directory: crash once, crash always, fail a check."""
+    (tmp_path / "mini_dist").mkdir()
+    (tmp_path / "run.sh").write_text(open(os.path.join(ROOT, "run.sh")).read())
+    (tmp_path / "run.sh").chmod(0o755)
+    crash_once = "import os, pathlib\nm = pathlib.Path(__file__).with_suffix('.ran')\n" \
+                 "if not m.exists():\n    m.touch()\n    os.abort()\nprint('SUMMARY|ok')\n"
+    (tmp_path / "mini_dist" / "ring_allreduce.py").write_text(crash_once)
+    (tmp_path / "mini_dist" / "comm.py").write_text("import os\nos.abort()\n")
+    (tmp_path / "mini_dist" / "ddp.py").write_text("print('FAIL a check')\nraise SystemExit(1)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE")}
+    result = command([str(tmp_path / "run.sh"), "demos", "1"], env={**env, "MINI_DIST_PYTHON": sys.executable})
+    out = result.stdout
+    assert result.returncode == 1, result
+    assert out.count("=== ring_allreduce: a rank was killed by Signal 6 (SIGABRT): once more ===") == 1, out
+    assert out.count("=== comm: a rank was killed by Signal 6 (SIGABRT): once more ===") == 1, out
+    assert "ddp: a rank was killed" not in out and "FAIL a check" in out, out
+    assert 'Fatal Python error: Aborted' in out and 'File "' in out, out  # PYTHONFAULTHANDLER: where it died
+    assert out.strip().splitlines()[-2:] == [
+        f"torch {importlib.import_module('torch').__version__}: 2 demo(s) failed: comm ddp",
+        "a rank was killed by a signal, output above, in: ring_allreduce (Signal 6 (SIGABRT), then exit 0) "
+        "comm (Signal 6 (SIGABRT), then exit 1)"], out
+
+
 def test_the_gpu_check_without_a_gpu_is_one_line_saying_where_to_run_it():
     import torch
     if torch.cuda.is_available():

@@ -24,6 +24,7 @@ Demo (each rank says who it is, then one all-reduce of the ranks proves the grou
 import argparse
 import atexit
 import datetime
+import gc
 import os
 import sys
 import time
@@ -31,6 +32,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+# before any group exists: torch.distributed.nn.functional's defaults (group=group.WORLD) are evaluated when it is
+# first imported (torch.optim imports it through torch._dynamo); after init they would hold the default group past
+# destroy_process_group, its gloo worker threads alive while Python exits, and a worker that then releases a
+# collective's tensor needs the interpreter: std::terminate, SIGABRT (seen on torch 2.11)
+import torch.distributed.nn  # noqa: F401
 
 VERBOSE = os.environ.get("VERBOSE") == "1"
 
@@ -80,7 +86,11 @@ def main(parser: argparse.ArgumentParser, demo, argv=None) -> int:
     """Parse, run demo(args), return its exit code. A UsageError becomes one line from rank 0 and exit
     status 2 on every rank (argparse's own convention), with no traceback."""
     try:
-        return demo(parser.parse_args(argv))
+        code = demo(parser.parse_args(argv))
+        # groups the demo left in reference cycles (a DeviceMesh's) are freed now, their gloo threads joined,
+        # and not while Python exits (see `import torch.distributed.nn` above)
+        gc.collect()
+        return code
     except UsageError as e:
         if env_rank() == 0:
             print(f"{parser.prog}: error: {e}", file=sys.stderr, flush=True)
