@@ -35,7 +35,7 @@ import torch.distributed as dist
 # before any group exists: torch.distributed.nn.functional's defaults (group=group.WORLD) are evaluated when it is
 # first imported (torch.optim imports it through torch._dynamo); after init they would hold the default group past
 # destroy_process_group, its gloo worker threads alive while Python exits, and a worker that then releases a
-# collective's tensor needs the interpreter: std::terminate, SIGABRT (seen on torch 2.11)
+# collective's tensor aborts the process (SIGABRT; pytorch/pytorch#179291 describes the race)
 import torch.distributed.nn  # noqa: F401
 
 VERBOSE = os.environ.get("VERBOSE") == "1"
