@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 if not __package__:  # run as `torchrun mini_dist/fsdp.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import flat_param
-from mini_dist.kit import debug, launch, models, timing
+from mini_dist.kit import debug, launch, models, timing, weakly
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -73,7 +73,7 @@ class FullyShardedDataParallel(nn.Module):
             m.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True)
             m.register_forward_hook(partial(self._post_forward, unit))
             if unit.full.requires_grad:
-                unit.full.register_post_accumulate_grad_hook(partial(self._reduce_scatter, unit))
+                unit.full.register_post_accumulate_grad_hook(weakly(self._reduce_scatter, unit))
 
     # ----- the idea: around each unit, gather just before it computes, free right after
 

@@ -36,7 +36,7 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch
+from mini_dist.kit import launch, weakly
 from mini_dist.kit.timing import median, quantile
 from mini_dist.pipeline import against_one_process
 from mini_dist.pipeline_schedules import (COMPUTE, SCHEDULES, Event, Schedule, label, live_microbatches, route,
@@ -169,11 +169,11 @@ class SimulatedCompute(nn.Module):
     def __init__(self, seconds: float):
         super().__init__()
         self.seconds, self.weight = seconds, nn.Parameter(torch.ones((), dtype=torch.float64))  # cpu: until model.to
-        self.weight.register_hook(self.compute)  # W
+        self.weight.register_hook(weakly(self.compute))  # W
 
     def forward(self, x):
         if x.requires_grad:
-            x.register_hook(self.compute)  # B
+            x.register_hook(weakly(self.compute))  # B
         return self.compute(x) or x * self.weight
 
     def compute(self, t):

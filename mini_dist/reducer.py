@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/reducer.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch, models
+from mini_dist.kit import launch, models, weakly
 from mini_dist.ring_allreduce import ring_all_reduce
 
 
@@ -87,7 +87,7 @@ class Reducer:
         self.arrived = None  # parameters whose gradient arrived in the current synced backward
         self.timeline = Timeline()  # of the last synced backward
         for p in params:
-            p.register_post_accumulate_grad_hook(self._gradient_arrived)
+            p.register_post_accumulate_grad_hook(weakly(self._gradient_arrived))
 
     def register_comm_hook(self, state, hook) -> None:
         if self.hook is not None:

@@ -420,3 +420,22 @@ def register_twice():
     with pytest.raises(RuntimeError) as info:
         mini.register_comm_hook(None, hooks("allreduce"))
     return str(info.value)
+
+
+def train_drop_and_collect(wrap):
+    """One synced step through a wrapper, then drop it: is it freed (the hooks on its parameters live on)?"""
+    import gc
+    import weakref
+    model = wrap(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(device()))
+    model(torch.ones(5, 3, device=device())).sum().backward()
+    freed = [weakref.ref(model)] + ([weakref.ref(model.reducer)] if isinstance(model, ddp.DistributedDataParallel)
+                                    else [])
+    del model
+    gc.collect()
+    return all(r() is None for r in freed)
+
+
+def test_a_dropped_ddp_model_is_freed_with_its_reducer_buckets_and_group():
+    """A tensor keeps its hooks in C++, out of sight of Python's garbage collector: a hook holding the reducer
+    strongly would keep every DDP ever built, its buckets and its process group, alive in a long-lived rank."""
+    assert run(2, train_drop_and_collect, ddp.DistributedDataParallel) == [True, True]

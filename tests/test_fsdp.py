@@ -607,3 +607,10 @@ def test_gathered_parameter_peak_matches_torch_cuda_max_memory_allocated(world):
         # a full step adds one unit's full gradient (and its pieces before they are concatenated), the
         # fp32 gradient shards and the saved activations: at most 2 units + shards + 1 MiB
         assert step_ledger <= step_cuda <= step_ledger + 2 * unit + shards + (1 << 20)
+
+
+def test_a_dropped_fsdp_model_is_freed_with_its_flat_parameters_and_group():
+    """The reduce-scatter hook sits on each unit's flat parameter, in C++: held strongly, it would keep the
+    wrapper (and everything it shards) alive after the model is dropped."""
+    from test_ddp import train_drop_and_collect
+    assert run(2, train_drop_and_collect, FSDP) == [True, True]

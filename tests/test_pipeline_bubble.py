@@ -82,3 +82,19 @@ def test_the_bubble_questions_hold_their_figures_for_any_sizes(P, M, v):
     assert gpipe_vs_1f1b(P, M)[1]
     if M % max(1, M // P) == 0:  # interleaved rounds of about P microbatches must divide M
         assert interleaved_and_zero_bubble(P, M, v)[1]
+
+
+@pytest.mark.single_process
+def test_a_dropped_simulated_layer_is_freed_though_its_weight_and_input_keep_its_hooks():
+    """Its sleeps hang on tensor hooks, which live in C++ where Python's garbage collector cannot see a cycle:
+    held strongly, every layer of every measured step would stay alive."""
+    import gc
+    import weakref
+    import torch
+    from mini_dist.pipeline_bubble import SimulatedCompute
+    layer, x = SimulatedCompute(0.0), torch.full((), 3.0, dtype=torch.float64, requires_grad=True)
+    layer(x).backward()
+    freed = weakref.ref(layer)
+    del layer
+    gc.collect()
+    assert freed() is None and x.grad.item() == 1.0
