@@ -92,7 +92,7 @@ def test_a_dropped_simulated_layer_is_freed_though_its_weight_and_input_keep_its
     import weakref
     import torch
     from mini_dist.pipeline_bubble import SimulatedCompute
-    layer, x = SimulatedCompute(0.0), torch.full((), 3.0, dtype=torch.float64, requires_grad=True)
+    layer, x = SimulatedCompute(0.0), torch.full((), 3.0, dtype=torch.float64, requires_grad=True)  # cpu: no ranks
     layer(x).backward()
     freed = weakref.ref(layer)
     del layer
