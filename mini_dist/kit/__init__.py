@@ -19,7 +19,6 @@ if not hasattr(dist, "all_gather_single"):  # torch < 2.13 knows them as all_gat
     dist.reduce_scatter_single = dist.reduce_scatter_tensor
 
 
-
 def weakly(method, *args):
     """A hook calling method(*args, *hook_args) that holds the method's object and args only weakly. A tensor
     keeps its hooks in C++, where Python's garbage collector cannot see a cycle tensor -> hook -> owner ->
