@@ -177,7 +177,7 @@ def demo(args):
     dist.all_reduce(torch.ones(2), group=mesh[0])
     print("during", sorted(threads()), flush=True)
     return launch.conclude("exit", True, "", True, "")
-code = launch.main(launch.demo_parser("exit"), demo, [])
+launch.main(launch.demo_parser("exit"), demo, [])
 print("after", sorted(threads()), flush=True)
 """
 

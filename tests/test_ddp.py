@@ -3,6 +3,8 @@ adversarial models; plus silent no_sync, unused parameters, subgroups and commun
 membership and launches during backward: tests/test_reducer.py.)"""
 import contextlib
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -424,8 +426,6 @@ def register_twice():
 
 def train_drop_and_collect(wrap):
     """One synced step through a wrapper, then drop it: is it freed (the hooks on its parameters live on)?"""
-    import gc
-    import weakref
     model = wrap(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(device()))
     model(torch.ones(5, 3, device=device())).sum().backward()
     freed = [weakref.ref(model)] + ([weakref.ref(model.reducer)] if isinstance(model, ddp.DistributedDataParallel)
