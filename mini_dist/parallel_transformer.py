@@ -122,7 +122,7 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-# ----- what a layer moves and keeps: the demo, and questions 11 and 12 (mini_dist/questions.py) -----
+# ----- what a layer moves and keeps: the demo, and questions 11 and 12 (mini_dist/questions/) -----
 
 Layer = namedtuple("Layer", "fwd bwd acts diff", defaults=[0.0])  # fwd, bwd: ({kind: calls}, payload bytes)
 

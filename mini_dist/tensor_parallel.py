@@ -200,7 +200,7 @@ def check_input(layer: nn.Module, x, features: int, sequence_parallel: bool = Fa
         raise ValueError(f"sequence parallel needs [batch, seq/T, hidden] inputs, got {tuple(x.shape)}")
 
 
-# ----- what a step moves: the demo, and question 10 (mini_dist/questions.py) -----
+# ----- what a step moves: the demo, and question 10 (mini_dist/questions/) -----
 
 def mlp_step_counted(build, b, s, h, group=None):
     """The dense MLP h -> 4h -> h and build(h), its parallel twin, forward and backward on the same fp64 [b, s, h]

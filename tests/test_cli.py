@@ -17,7 +17,7 @@ from harness import command
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIT_DEMOS = ["kit.debug", "kit.launch", "kit.measure"]  # the kit's modules that teach something of their own
 DEMOS = sorted([f[:-3] for f in os.listdir(os.path.join(ROOT, "mini_dist"))
-                if f.endswith(".py") and not f.startswith("_") and f != "planner.py"] + KIT_DEMOS)
+                if f.endswith(".py") and not f.startswith("_") and f != "planner.py"] + KIT_DEMOS + ["questions"])
 
 # A configuration each demo cannot run, as (world size, arguments) and a word the one-line error must contain.
 BAD = {
@@ -106,7 +106,8 @@ def test_a_configuration_a_demo_cannot_run_is_one_line_and_exit_2(module, monkey
     world, argv, word = BAD[module]
     assert command_line(module, argv, world, monkeypatch) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"{module.split('.')[-1]}.py: error: ") and word in err[0], err
+    prog = "./run.sh ask" if module == "questions" else f"{module.split('.')[-1]}.py"
+    assert len(err) == 1 and err[0].startswith(f"{prog}: error: ") and word in err[0], err
 
 
 def run_sh(*args, env=None):

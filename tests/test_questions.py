@@ -59,7 +59,7 @@ def test_an_unknown_question_is_one_line_and_exit_status_2():
     result = run_sh("99")
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
-    assert lines[0].startswith("questions.py: error: no question 99") and str(len(questions.QUESTIONS)) in lines[0]
+    assert lines[0].startswith("./run.sh ask: error: no question 99") and str(len(questions.QUESTIONS)) in lines[0]
 
 
 def command_line(argv, monkeypatch):

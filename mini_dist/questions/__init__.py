@@ -1,8 +1,10 @@
 """Questions learners ask about distributed training, each answered by a number measured on the spot.
 
-The questions and their answers are text: mini_dist/questions.md, one section each, naming the demo that
-shows the whole story and the measure that settles it: a function of the concept's module, the same one its
-demo calls to print that figure, so every number is computed in one place. A measure returns the figure it
+The questions and their answers are text: mini_dist/questions/questions.md, one section each, naming the demo
+that shows the whole story and the measure that settles it: a function that returns the figure, either the
+concept's own (the same one its demo calls to print that figure) or, for a figure that is not the demo's
+own, one in this package, a file per part of the reading order (mini_dist/questions/<part>.py), so that the
+concept's file holds only the concept. A measure returns the figure it
 prints and whether it holds (the assertion the demo makes). One that needs several ranks runs on a pool of
 RANKS gloo ranks (mini_dist/kit/ranks.py, the test suite's runner), started on the first such question.
 
@@ -23,13 +25,11 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-if not __package__:  # run as `python mini_dist/questions.py`: put the repo, not mini_dist/, on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.kit import launch
 
 RANKS = 4                # the group every multi-rank question runs on
 QUESTION_TIMEOUT_S = 90  # a question that takes longer is reported, not waited for
-PAGE = Path(__file__).with_suffix(".md")
+PAGE = Path(__file__).with_name("questions.md")
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,7 @@ def page(figures: dict) -> str:
 
 def parser():
     p = launch.demo_parser(__doc__)
+    p.prog = "./run.sh ask"
     p.add_argument("numbers", type=int, nargs="*", help="questions to measure (none: list them)")
     p.add_argument("--all", action="store_true", help="measure every question")
     p.add_argument("--markdown", action="store_true", help="measure, then print the page in markdown")
@@ -153,11 +154,3 @@ def demo(args) -> int:
         print(f"figures off: questions {', '.join(map(str, failed))}", file=sys.stderr)
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    # The ranks unpickle `measure` from mini_dist.questions, imported by name. Without a __spec__ here,
-    # multiprocessing prepares them from this file's path instead of re-running `-m mini_dist.questions` as
-    # their __main__ (which runpy warns about: the module is already imported by then).
-    __spec__ = None
-    from mini_dist import questions
-    raise SystemExit(launch.main(questions.parser(), questions.demo))
