@@ -178,7 +178,7 @@ def copy_of(path: str) -> str:
     return where
 
 
-def with_manifest(saved: str, text: bytes, part=WHOLE) -> str:
+def refusal_of(saved: str, text: bytes, part=WHOLE) -> str:
     """refused_cleanly on a copy of the checkpoint `saved` whose manifest is `text`."""
     path = copy_of(saved)
     try:
@@ -208,7 +208,7 @@ def test_the_saved_checkpoint_loads_in_every_part_a_reshard_reads_and_its_manife
 def test_a_manifest_edited_in_any_one_field_is_refused_in_one_line_whatever_part_a_rank_loads(saved, data):
     original = json.load(open(os.path.join(saved, checkpoint.MANIFEST)))
     at, how, edited = data.draw(edits(original))
-    message = with_manifest(saved, json.dumps(edited).encode(), data.draw(parts()))
+    message = refusal_of(saved, json.dumps(edited).encode(), data.draw(parts()))
     if how == "move":  # the moved piece is named, or its tensor, whose boxes no longer tile it
         name = original["pieces"][at[1]]["name"]
         assert f"pieces[{at[1]}]" in message or f"tensor {name!r}" in message, message
@@ -222,7 +222,7 @@ def test_a_manifest_edited_in_any_one_field_is_refused_in_one_line_whatever_part
                                                                                        max_size=3)
                                    ).map(lambda v: json.dumps(v).encode())))
 def test_a_manifest_of_raw_garbage_is_refused_in_one_line(saved, text):
-    with_manifest(saved, text)
+    refusal_of(saved, text)
 
 
 def rename_file(path: str, name: str) -> None:
@@ -297,23 +297,21 @@ def test_a_manifest_longer_than_its_bound_is_refused_before_it_is_parsed(saved, 
     time): the loader stops reading at the bound and refuses, where a loader without it would parse it."""
     monkeypatch.setattr(manifest, "MAX_MANIFEST", 4096)
     text = open(os.path.join(saved, checkpoint.MANIFEST), "rb").read()
-    assert "manifest.json is longer than 4,096 B" in with_manifest(saved, text + b" " * 4096, ROWS_2_3)
+    assert "manifest.json is longer than 4,096 B" in refusal_of(saved, text + b" " * 4096, ROWS_2_3)
 
 
-def setting(changes):
-    """A function of a manifest that applies `changes`: (place, value) pairs, the value a function of the
-    value there or the value itself; the place () replaces the whole manifest."""
-    def apply(original):
-        edited = json.loads(json.dumps(original))
-        for at, value in changes:
-            if not at:
-                return value
-            parent = edited
-            for key in at[:-1]:
-                parent = parent[key]
-            parent[at[-1]] = value(parent[at[-1]]) if callable(value) else value
-        return edited
-    return apply
+def changed(original: dict, changes: list):
+    """A copy of the manifest with `changes` made: (place, value) pairs, the value a function of the value
+    there or the value itself; the place () replaces the whole manifest."""
+    edited = json.loads(json.dumps(original))
+    for at, value in changes:
+        if not at:
+            return value
+        parent = edited
+        for key in at[:-1]:
+            parent = parent[key]
+        parent[at[-1]] = value(parent[at[-1]]) if callable(value) else value
+    return edited
 
 
 # Each check of mini_dist/manifest.py, with an edit that it alone refuses: without the check, the load of
@@ -325,7 +323,7 @@ CHECKS = [
     ("a field too many", [(("extra",), 1)], "the fields are ['extra', 'files', 'objects', 'pieces', 'tenso"),
     ("a field of another type", [(("objects",), [])], "the fields are ['files', 'objects', 'pieces', 'tensors', '"),
     ("world_size a bool", [(("world_size",), True)], "world_size True is not the number of files"),
-    ("world_size not the files'", [(("world_size",), 2)], "world_size 2 is not the number of files"),
+    ("world_size not the number of files", [(("world_size",), 2)], "world_size 2 is not the number of files"),
     ("a file name with a separator", [(("files",), lambda f: {"./rank_00000.bin": f["rank_00000.bin"]}),
                                       (("pieces",), lambda ps: [{**p, "file": "./rank_00000.bin"} for p in ps])],
      "files: './rank_00000.bin' is not a plain file name inside the checkpoint"),
@@ -385,7 +383,7 @@ def test_each_check_refuses_the_edit_only_it_catches_naming_the_field(saved, cas
     changes, words = case[1], case[2]
     part = case[3] if len(case) > 3 else ROWS_2_3
     original = json.load(open(os.path.join(saved, checkpoint.MANIFEST)))
-    message = with_manifest(saved, json.dumps(setting(changes)(original)).encode(), part)
+    message = refusal_of(saved, json.dumps(changed(original, changes)).encode(), part)
     assert words in message, message
 
 
