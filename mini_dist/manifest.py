@@ -91,13 +91,13 @@ def literal_value(name: str, text):
     what = f"objects[{name!r:.60}]"
     if not isinstance(text, str) or len(text) > MAX_LITERAL:
         raise ValueError(f"{what} is not a text of at most {MAX_LITERAL:,} characters")
-    depth = signs = deepest = 0
+    depth = 0
+    signs = 0
     try:
         for token in tokenize.generate_tokens(io.StringIO(text).readline):
             depth += (token.string in ("(", "[", "{")) - (token.string in (")", "]", "}"))
             signs = signs + 1 if token.string in ("+", "-", "~") else 0
-            deepest = max(deepest, depth + signs)
-            if deepest > MAX_DEPTH:
+            if depth + signs > MAX_DEPTH:
                 raise ValueError(f"nested deeper than {MAX_DEPTH}")
         return ast.literal_eval(text)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError, tokenize.TokenError) as e:
