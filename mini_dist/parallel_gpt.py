@@ -250,7 +250,7 @@ def step_against_dense(cfg: Config, mesh: Mesh):
     with saved.hooks():
         loss = vocab_parallel_cross_entropy(model(ids), targets, mesh.tp_group).mean()  # from V/tp logits
     loss.backward()
-    sent = {"tp": COUNTER.bytes["all_reduce"], "cp": COUNTER.bytes["ring"], "ep": COUNTER.bytes["all_to_all"]}
+    sent = {"tp": COUNTER.bytes["all_reduce"], "cp": COUNTER.bytes["ring attention"], "ep": COUNTER.bytes["all_to_all"]}
     me = mesh.coords["ep_index"]
     routed = [gpt_ledger.routed_rows(m, me) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     held = {"params": sum(p.nbytes for p in model.parameters()),
