@@ -18,13 +18,15 @@ collective's tensor, a message's bytes at its send), and the bytes point-to-poin
 Kinds: torch's collectives by name ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"), "ring"
 (mini_dist's collectives built from sends: the rings, topology's algorithms; the default), "ring attention"
 (K/V blocks), "pipeline" (activations and their gradients). A message of kind None is counted in bytes sent
-and received only: the call that posts it counted its payload already. Debug traffic (kind DEBUG: the size
-and shape checks of MINI_DIST_DEBUG=1) is posted and named like any other but never counted, watched or
-printed, so every figure and every VERBOSE line reads the same with debug on or off. `LEDGER.watchers`: functions called with every counted message before
-it is posted, and every collective: (event "send", "recv" or the collective's kind, global peer or None,
-group, bytes, kind, label). topology.Links sorts the bytes by link there.
+and received only: the call that posts it counted its payload already (the expert all-to-all). Debug traffic
+(kind DEBUG: the size and shape checks of MINI_DIST_DEBUG=1) is posted, waited for and named like any other,
+but never counted, watched or printed, so every figure and VERBOSE line reads the same with debug on or off.
 
-Cost when nothing is asked: two Counter updates a message; a label is formatted only under VERBOSE=1 (one
+`LEDGER.watchers` are called with every counted message as it is about to be posted, and every collective:
+watcher(event, peer, group, nbytes, kind, label), event "send", "recv" or the collective's kind, peer a
+global rank (None for a collective). topology.Links sorts the bytes by link there (and delays some).
+
+Cost when nothing is asked: a few Counter updates a message; a label is formatted only under VERBOSE=1 (one
 line per message, prefixed by the rank) or when a peer is lost.
 
 Mirrors torch.distributed's isend / irecv / batch_isend_irecv (P2POp) and its Work.wait().
