@@ -212,7 +212,11 @@ def step_with_label(label, verbose):
     launch.VERBOSE, launch.trace = verbose, lines.append
     try:
         x = torch.ones(3, device=device())
-        wire.send_recv(x, (me - 1) % n, torch.empty(3, device=device()), (me + 1) % n, None, label)
+        wire.send_recv(x, (me - 1) % n, torch.empty(3, device=device()), (me + 1) % n, None, label)  # a batch
+        posted = [wire.irecv(torch.empty(3, device=device()), (me + 1) % n, None, label),
+                  wire.isend(x, (me - 1) % n, None, label)]  # one at a time
+        for message in posted:
+            wire.wait(message)
     finally:
         launch.VERBOSE, launch.trace = saved
     return lines
@@ -221,8 +225,8 @@ def step_with_label(label, verbose):
 def test_a_label_is_formatted_only_for_a_verbose_line_one_per_message():
     assert run(3, step_with_label, Unprintable(), False) == [[]] * 3
     for me, lines in enumerate(run(3, step_with_label, "ring step", True)):
-        assert lines == [f"ring step: send 12 B -> rank {(me - 1) % 3}",
-                         f"ring step: receive 12 B <- rank {(me + 1) % 3}"]  # debug mode's size check: not shown
+        one_step = [f"ring step: send 12 B -> rank {(me - 1) % 3}", f"ring step: receive 12 B <- rank {(me + 1) % 3}"]
+        assert lines == one_step + one_step[::-1]  # debug mode's size check before the batch: not shown
 
 
 def watched(ranks):
