@@ -155,8 +155,7 @@ def describe(stuck: dict, traces, head, partner, done) -> list[str]:
 # ----------------------------------------------------------------------------- recording a run on gloo
 
 def site() -> str:
-    """The line that issued the operation (the first frame outside torch, this recorder and the kit's wire,
-    through which every mini_dist message passes), for the report."""
+    """The line that issued the operation (the first frame outside torch, this recorder and the kit's wire)."""
     frame = sys._getframe(2)
     while frame:
         name = frame.f_code.co_filename
