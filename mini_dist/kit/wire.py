@@ -172,8 +172,12 @@ def isend_irecv(send, dst: int, recv, src: int, group, label, kind=RING) -> list
     may be None): what to wait() on. Under MINI_DIST_DEBUG=1 both ends first compare sizes (compare_sizes)."""
     if debug.DEBUG:
         compare_sizes(send, dst, recv, src, group, label)
-    ops = [(SEND, send, dst)] if send is not None else []
-    return batch(ops + ([(RECV, recv, src)] if recv is not None else []), group, label, kind)
+    ops = []
+    if send is not None:
+        ops.append((SEND, send, dst))
+    if recv is not None:
+        ops.append((RECV, recv, src))
+    return batch(ops, group, label, kind)
 
 
 def send_recv(send, dst: int, recv, src: int, group, label, kind=RING) -> None:
