@@ -11,8 +11,9 @@ moves it back. With T ranks and a tensor of D bytes:
     split(x, dim)            rank r keeps slice r                       no communication
     equal_all_to_all(x, a, b) block j along a to rank j, concatenated along b   counted: (T-1)/T * D
 
-COUNTER records calls and payload bytes per kind (the figure the ring formulas call D); a group of one
-communicates nothing and counts nothing. Under MINI_DIST_DEBUG=1 each is first agreed on (kit/debug.py).
+COUNTER (the kit's one ledger, kit/wire.py's LEDGER, which also counts every message) records calls and payload
+bytes per kind, the figure the ring formulas call D; a group of one communicates nothing and counts nothing.
+Under MINI_DIST_DEBUG=1 each is first agreed on (kit/debug.py).
 mini_dist/comm.py wraps them in autograd functions, each backward the conjugate collective.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/collectives.py [--rows 2]
@@ -21,7 +22,6 @@ Mirrors torch.distributed's all_reduce, all_gather_into_tensor, reduce_scatter_t
 """
 import math
 import sys
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -31,23 +31,9 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.kit import launch
 from mini_dist.kit.debug import agree
+from mini_dist.kit.wire import LEDGER, collective
 
-
-class CollectiveCounter:
-    """Collectives this rank issued, per kind, and their payload bytes."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.calls, self.bytes = Counter(), Counter()
-
-    def record(self, kind: str, nbytes: int) -> None:
-        self.calls[kind] += 1
-        self.bytes[kind] += nbytes
-
-
-COUNTER = CollectiveCounter()
+COUNTER = LEDGER  # .calls[kind], .bytes[kind]: collectives issued and their payload, beside every message
 
 
 def check_divisible(what: str, n: int, parts: int, fix: str) -> None:
@@ -60,8 +46,8 @@ def all_reduce(x, group=None, op=dist.ReduceOp.SUM):
         return x
     agree("all_reduce", (tuple(x.shape), x.dtype, op), group)
     x = x.clone(memory_format=torch.contiguous_format)  # never reduce into a tensor autograd may hold
-    COUNTER.record("all_reduce", x.nbytes)
-    dist.all_reduce(x, op=op, group=group)
+    with collective("all_reduce", x.nbytes, group):
+        dist.all_reduce(x, op=op, group=group)
     return x
 
 
@@ -72,8 +58,8 @@ def all_gather(x, dim, group=None):
     agree("all_gather", (tuple(x.shape), x.dtype, dim), group)
     x = x.movedim(dim, 0).contiguous()                  # [n, ...]: the collective concatenates along dim 0
     out = x.new_empty((T * x.shape[0], *x.shape[1:]))   # [T*n, ...]
-    COUNTER.record("all_gather", out.nbytes)
-    dist.all_gather_single(out, x, group=group)
+    with collective("all_gather", out.nbytes, group):
+        dist.all_gather_single(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -85,8 +71,8 @@ def reduce_scatter(x, dim, group=None):
     agree("reduce_scatter", (tuple(x.shape), x.dtype, dim), group)
     x = x.movedim(dim, 0).contiguous()                  # [T*n, ...]
     out = x.new_empty((x.shape[0] // T, *x.shape[1:]))  # [n, ...]: my slice of the sum
-    COUNTER.record("reduce_scatter", x.nbytes)
-    dist.reduce_scatter_single(out, x, group=group)
+    with collective("reduce_scatter", x.nbytes, group):
+        dist.reduce_scatter_single(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -109,8 +95,8 @@ def rows_all_to_all(x, send_counts, recv_counts, group, transport):
     agree("all_to_all_rows", (tuple(x.shape[1:]), x.dtype), group)
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
     row = math.prod(x.shape[1:]) * x.element_size()  # bytes per row, even when x has none
-    COUNTER.record("all_to_all", (sum(send_counts) - send_counts[me]) * row)
-    return transport(out, x.contiguous(), list(recv_counts), list(send_counts), group)
+    with collective("all_to_all", (sum(send_counts) - send_counts[me]) * row, group):
+        return transport(out, x.contiguous(), list(recv_counts), list(send_counts), group)
 
 
 def equal_all_to_all(x, scatter_dim, gather_dim, group=None):
@@ -124,8 +110,8 @@ def equal_all_to_all(x, scatter_dim, gather_dim, group=None):
     agree("all_to_all", (tuple(x.shape), x.dtype, scatter_dim, gather_dim), group)
     blocks = x.movedim(scatter_dim, 0).unflatten(0, (T, -1)).contiguous()  # [T, H/T, ...]: block j -> rank j
     out = torch.empty_like(blocks)                                          # [T, H/T, ...]: block j <- rank j
-    COUNTER.record("all_to_all", blocks.nbytes // T * (T - 1))
-    dist.all_to_all_single(out, blocks, group=group)
+    with collective("all_to_all", blocks.nbytes // T * (T - 1), group):
+        dist.all_to_all_single(out, blocks, group=group)
     out = out.flatten(0, 1).movedim(0, scatter_dim)         # the received blocks, still stacked by source
     return torch.cat(out.chunk(T, scatter_dim), gather_dim)  # source j's block is slice j along gather_dim
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.collectives import (COUNTER, CollectiveCounter, all_gather, all_reduce,  # noqa: F401
+from mini_dist.collectives import (COUNTER, all_gather, all_reduce,  # noqa: F401
                                    all_to_all_single, check_divisible, equal_all_to_all, reduce_scatter,
                                    rows_all_to_all, split)
 from mini_dist.kit import launch

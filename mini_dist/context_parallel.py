@@ -28,16 +28,17 @@ Mirrors torch.distributed.tensor.experimental.context_parallel (ring attention, 
 """
 import math
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import comm
-from mini_dist.kit import launch
+from mini_dist.kit import launch, references
+from mini_dist.kit.wire import isend_irecv, wait
 from mini_dist.sequence_layout import (CONTIGUOUS, LAYOUTS, SEQ_DIM, ZIGZAG, causal_tiles, check_inputs,
                                        rank_order, reorder_chunks, split_sequence)
 
@@ -61,21 +62,18 @@ def allgather_attention(q, k, v, causal=False, group=None, layout: str = ZIGZAG)
 # memory (two K/V blocks and one S/C x S/C score tile, never S/C x S) and overlap (a hop travels during a tile)
 
 def _ring_pass(send, group):
-    """Start sending `send` to the next rank and receiving the previous rank's; (buffer, works) to wait on. One
-    batch: under NCCL a receive queued ahead of the send its neighbour waits for would never finish."""
+    """Start sending `send` to the next rank and receiving the previous rank's; (buffer, posted) to wait on. One
+    batch (the kit's wire): under NCCL a receive queued ahead of the send its neighbour waits for never ends."""
     me, C = dist.get_rank(group), dist.get_world_size(group)
     recv = torch.empty_like(send)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, group=group, group_peer=(me + 1) % C),
-                                    dist.P2POp(dist.irecv, recv, group=group, group_peer=(me - 1) % C)])
-    comm.COUNTER.record("ring", send.nbytes)
-    launch.trace(f"ring: {send.nbytes} B to group rank {(me + 1) % C}, receiving from {(me - 1) % C}")
-    return recv, works
+    return recv, isend_irecv(send, (me + 1) % C, recv, (me - 1) % C, group, "ring attention", "ring attention")
 
 
 def _arrived(pending):
-    for work in pending[1]:
-        work.wait()
-    return pending[0]
+    recv, posted = pending
+    for message in posted:
+        wait(message)
+    return recv
 
 
 def _scores(q, k, diagonal):
@@ -204,7 +202,8 @@ def bytes_sent(group=None) -> int:
     reduce-scatter by its input, the whole D, of which each rank sends the (C-1)/C that others keep; ring
     hops and all-to-alls it counts as sent."""
     C, counted = dist.get_world_size(group), comm.COUNTER.bytes
-    return counted["ring"] + counted["all_to_all"] + (counted["all_gather"] + counted["reduce_scatter"]) * (C - 1) // C
+    return (counted["ring attention"] + counted["all_to_all"]
+            + (counted["all_gather"] + counted["reduce_scatter"]) * (C - 1) // C)
 
 
 # ----- demo -----
@@ -216,24 +215,6 @@ def parser():
     p.add_argument("--head-dim", type=int, default=16, help="head dimension d")
     p.add_argument("--batch", type=int, default=2, help="sequences in the batch")
     return p
-
-
-def against_sdpa(attention, full, causal, layout=ZIGZAG):
-    """attention forward and backward on this rank's part of full = (q, k, v, dout): the max |difference| from
-    F.scaled_dot_product_attention on the whole sequence over out, dq, dk, dv; bytes this rank sent forward,
-    backward (bytes_sent). SCORES holds the scores this call computed."""
-    whole = [t.clone().requires_grad_() for t in full[:3]]
-    ref = F.scaled_dot_product_attention(*whole, is_causal=causal)
-    ref.backward(full[3])
-    mine = [split_sequence(t, layout=layout).requires_grad_() for t in full[:3]]
-    comm.COUNTER.reset()
-    SCORES.reset()
-    out = attention(*mine, causal=causal, layout=layout)
-    forward = bytes_sent()
-    comm.COUNTER.reset()
-    out.backward(split_sequence(full[3], layout=layout))
-    pairs = zip([out] + [t.grad for t in mine], [ref.detach()] + [t.grad for t in whole])
-    return max((a - split_sequence(b, layout=layout)).abs().max().item() for a, b in pairs), forward, bytes_sent()
 
 
 def rotation(full, layout=ZIGZAG) -> list[list[int]]:
@@ -270,7 +251,8 @@ def demo(args) -> int:
     worst, ledgers_ok, peak = 0.0, True, {}
     for name, attention in (("naive", allgather_attention), ("ring", ring_attention)):
         for causal in (False, True):
-            diff, fwd, bwd = against_sdpa(attention, full, causal)
+            SCORES.reset()
+            diff, fwd, bwd = references.against_sdpa(attention, full, causal, split_sequence, bytes_sent)
             worst, ledgers_ok = max(worst, diff), ledgers_ok and (fwd, bwd) == want[name]
             peak.setdefault(name, SCORES.peak_bytes)  # non-causal: whole tiles
             launch.print0(f"{name + ' causal' * causal:13}| {diff:27.1e} | {fwd:>15,} / {bwd:<15,}| "
@@ -284,7 +266,9 @@ def demo(args) -> int:
                   "".join(f"\nrank {r:<2}" + "".join(f"{f'K/V {j}':>8}" for j in row) for r, row in enumerate(held)))
     work = {}
     for layout in LAYOUTS:
-        against_sdpa(ring_attention, full, True, layout)
+        SCORES.reset()
+        references.against_sdpa(partial(ring_attention, layout=layout), full, True,
+                                partial(split_sequence, layout=layout), bytes_sent)
         work[layout] = comm.all_gather(torch.tensor([SCORES.elements], device=env.device), 0).tolist()
     balanced = work[CONTIGUOUS] == [(r + 1) * (S // C) ** 2 for r in range(C)] and \
         work[ZIGZAG] == [(2 * C + 1) * (S // C // 2) ** 2] * C

@@ -225,7 +225,7 @@ def validate(model: Model, plan: Plan, cluster: Cluster) -> None:
         need(model.layers % plan.pp == 0, f"pp = {plan.pp} must divide the {model.layers} layers (equal stages)")
 
 
-# ----------------------------------------------------------------------------- demo
+# ----------------------------------------------------------------------------- the formulas against torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -246,6 +246,8 @@ def measured_model_state_bytes(numel: int, precision: str, optimizer: str) -> tu
     state = sum(size(t) for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     return size(weight), size(weight.grad), state + (size(master) if master is not weight else 0)
 
+
+# ----------------------------------------------------------------------------- demo
 
 def parser():
     p = launch.demo_parser(__doc__)

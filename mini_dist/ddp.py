@@ -30,9 +30,9 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/ddp.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch, models
+from mini_dist.kit import launch, models, wire
 from mini_dist.reducer import Reducer, Timeline, build_buckets
-from mini_dist.ring_allreduce import LEDGER, ring_all_reduce
+from mini_dist.ring_pipelined import ring_all_reduce
 
 DEFAULT_CAP_MB, DEFAULT_FIRST_CAP_MB = 25, 1  # torch's defaults (bucket_cap_mb=None)
 
@@ -188,7 +188,7 @@ def accumulation_divides_the_loss(K: int = 4, b: int = 2) -> tuple[str, bool]:
     module = models.mlp([8, 16, 4]).to(launch.device())
     alone, undivided = copy.deepcopy(module), copy.deepcopy(module)
     model = DistributedDataParallel(module, all_reduce=ring_all_reduce)
-    LEDGER.reset()
+    wire.LEDGER.reset()
     for k in range(K):  # micro-batch k: rows [k*n*b, (k+1)*n*b), rank r's b of them
         rows, everyone = slice(k * n * b + r * b, k * n * b + (r + 1) * b), slice(k * n * b, (k + 1) * n * b)
         with model.no_sync() if k < K - 1 else contextlib.nullcontext():
@@ -196,7 +196,7 @@ def accumulation_divides_the_loss(K: int = 4, b: int = 2) -> tuple[str, bool]:
         nn.functional.mse_loss(undivided(x[everyone]), y[everyone]).backward()  # one process, not divided
     nn.functional.mse_loss(alone(x), y).backward()
     diff, D = _everywhere(_diff(model, alone, grads=True)), sum(p.numel() * 8 for p in module.parameters())
-    sent = _everywhere(LEDGER.sent, dist.ReduceOp.SUM) / n  # ranks' ring chunks can differ; their sum cannot
+    sent = _everywhere(wire.LEDGER.sent, dist.ReduceOp.SUM) / n  # ranks' ring chunks can differ; their sum cannot
     too_big = min(p.grad.norm() / q.grad.norm() for p, q in zip(undivided.parameters(), alone.parameters())).item()
     return (f"{K} micro-batches x {b} samples x {n} ranks, loss / K: = one process on all {K * n * b} samples to "
             f"{diff:.0e}, and {sent / D:.2f}D sent per rank = one all-reduce (2(N-1)/N D), not {K}; without / K the "
@@ -259,11 +259,11 @@ def demo(args) -> int:
         batch = list(zip(*(torch.randn(args.accumulation, args.local_batch, width, generator=g,
                                        dtype=torch.float64).to(env.device) for width in (w[0], w[-1]))))
         for name in sorted(replicas, reverse=step % 2 == 1):  # take turns: noise slows every side alike
-            LEDGER.reset()
+            wire.LEDGER.reset()
             start = time.perf_counter()
             models.accumulation_step(replicas[name], optimizers[name], batch)
             tl = getattr(replicas[name], "timeline", Timeline())  # native DDP keeps none
-            seen[name].append((time.perf_counter() - start, tl.exposed(), tl.overlap(), LEDGER.sent))
+            seen[name].append((time.perf_counter() - start, tl.exposed(), tl.overlap(), wire.LEDGER.sent))
     diff = {name: max(((a - b).abs().max() / b.abs().max()).item()
                       for a, b in zip(m.parameters(), replicas["native"].parameters()))
             for name, m in replicas.items() if name != "native"}

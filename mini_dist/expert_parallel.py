@@ -35,7 +35,7 @@ import torch.distributed as dist
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import comm
-from mini_dist.kit import launch, measure
+from mini_dist.kit import launch, measure, wire
 from mini_dist.moe import MoE, route, skewed_tokens
 
 
@@ -76,16 +76,14 @@ def p2p_all_to_all(out, x, output_splits, input_splits, group=None):
     W, me = dist.get_world_size(group), dist.get_rank(group)
     sends, recvs = x.split(input_splits), out.split(output_splits)
     recvs[me].copy_(sends[me])
-    peer = (lambda j: j) if group is None else (lambda j: dist.get_global_rank(group, j))
     ops = []
     for s in range(1, W):
-        to, frm = (me + s) % W, (me - s) % W
-        if input_splits[to]:
-            ops.append(dist.P2POp(dist.isend, sends[to], peer(to), group))
-        if output_splits[frm]:
-            ops.append(dist.P2POp(dist.irecv, recvs[frm], peer(frm), group))
-    for request in dist.batch_isend_irecv(ops) if ops else []:
-        request.wait()
+        to = (me + s) % W
+        frm = (me - s) % W
+        ops.append((wire.SEND, sends[to], to))
+        ops.append((wire.RECV, recvs[frm], frm))
+    for posted in wire.batch(ops, group, "expert all-to-all", kind=None):  # its payload: counted by the caller
+        wire.wait(posted)
     return out
 
 

@@ -207,6 +207,27 @@ def peak_activations(actions, cost, transient=lambda chunk: 0) -> int:
     return peak
 
 
+def rank_ledger(model: Model, plan: Plan, schedule: str, layout: list, pp_rank: int, place: int, routed=None,
+                scores: bool = False) -> tuple[dict, dict]:
+    """One rank's bytes sent per step by axis, and bytes held by category. layout: its chunks' layers (chunk c
+    is virtual stage c*P + pp_rank); place: its index in dp x cp; routed: per chunk, per MoE block forward in
+    schedule order, routed_rows (None: balanced routing); scores: see attention_keeps_scores."""
+    chunks, M, layers = len(layout), plan.microbatches, [k for chunk in layout for k in chunk]
+    off = None if routed is None else sum(o for chunk in routed for o, _ in chunk)
+    stages = [c * plan.pp + pp_rank for c in range(chunks)]
+    traffic = {"dp": dp_traffic(model, plan, layers), "pp": pp_traffic(model, plan, stages, chunks),
+               **step_traffic(model, plan, layers.count("block"), "embedding" in layers, "head" in layers, off)}
+    actions = SCHEDULES[schedule](plan.pp, M, chunks).actions[pp_rank]
+    received = {}  # (chunk, microbatch): rows its experts received; a chunk's forwards run in schedule order
+    for c, rows in enumerate(routed or []):
+        forwards, k = [a.mb for a in actions if a.op == "forward" and a.chunk == c], len(rows) // M
+        received.update({(c, m): sum(r for _, r in rows[i * k:(i + 1) * k]) for i, m in enumerate(forwards)})
+    peak = peak_activations(actions, lambda c, m: activation_bytes(model, plan, layout[c], received.get((c, m)),
+                                                                   scores),
+                            lambda c: forward_transient(model, plan, layout[c]))
+    return traffic, {**rank_memory(model, plan, layers, place), "activations": peak}
+
+
 # ----- demo: every rank's ledger, before anything runs -----
 
 def dense_numel(model: Model, kind: str) -> int:
@@ -228,27 +249,6 @@ def stage_layers(model: Model, virtual_stages: int) -> list[list[str]]:
     kinds = ["embedding"] + ["block"] * model.layers + ["head"]
     sizes = balanced_split([1 + sum(layer_numel(model, Plan(dp=1), k)) for k in kinds], virtual_stages)
     return [kinds[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))]
-
-
-def rank_ledger(model: Model, plan: Plan, schedule: str, layout: list, pp_rank: int, place: int, routed=None,
-                scores: bool = False) -> tuple[dict, dict]:
-    """One rank's bytes sent per step by axis, and bytes held by category. layout: its chunks' layers (chunk c
-    is virtual stage c*P + pp_rank); place: its index in dp x cp; routed: per chunk, per MoE block forward in
-    schedule order, routed_rows (None: balanced routing); scores: see attention_keeps_scores."""
-    chunks, M, layers = len(layout), plan.microbatches, [k for chunk in layout for k in chunk]
-    off = None if routed is None else sum(o for chunk in routed for o, _ in chunk)
-    stages = [c * plan.pp + pp_rank for c in range(chunks)]
-    traffic = {"dp": dp_traffic(model, plan, layers), "pp": pp_traffic(model, plan, stages, chunks),
-               **step_traffic(model, plan, layers.count("block"), "embedding" in layers, "head" in layers, off)}
-    actions = SCHEDULES[schedule](plan.pp, M, chunks).actions[pp_rank]
-    received = {}  # (chunk, microbatch): rows its experts received; a chunk's forwards run in schedule order
-    for c, rows in enumerate(routed or []):
-        forwards, k = [a.mb for a in actions if a.op == "forward" and a.chunk == c], len(rows) // M
-        received.update({(c, m): sum(r for _, r in rows[i * k:(i + 1) * k]) for i, m in enumerate(forwards)})
-    peak = peak_activations(actions, lambda c, m: activation_bytes(model, plan, layout[c], received.get((c, m)),
-                                                                   scores),
-                            lambda c: forward_transient(model, plan, layout[c]))
-    return traffic, {**rank_memory(model, plan, layers, place), "activations": peak}
 
 
 def parser():

@@ -40,7 +40,7 @@ import torch.distributed.distributed_c10d as c10d
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mini_dist.kit import launch
+from mini_dist.kit import launch, wire
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter",
                "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast",
@@ -155,11 +155,12 @@ def describe(stuck: dict, traces, head, partner, done) -> list[str]:
 # ----------------------------------------------------------------------------- recording a run on gloo
 
 def site() -> str:
-    """The line that issued the operation (the first frame outside torch and this recorder), for the report."""
+    """The line that issued the operation (the first frame outside torch, this recorder and the kit's wire)."""
     frame = sys._getframe(2)
     while frame:
         name = frame.f_code.co_filename
-        if f"{os.sep}torch{os.sep}" not in name and not (name == __file__ and frame.f_code.co_name in RECORDER):
+        if (f"{os.sep}torch{os.sep}" not in name and name != wire.__file__
+                and not (name == __file__ and frame.f_code.co_name in RECORDER)):
             return f"{os.path.basename(name)}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"

@@ -203,20 +203,6 @@ def kind(layer) -> str:
     return "embedding" if isinstance(layer, Embedding) else "head" if isinstance(layer, Head) else "block"
 
 
-# ----- demo: one forward + backward against the dense model -----
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--cp", type=int, default=None, help="context-parallel ranks (default: the world / tp)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default 2 where the world allows)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, a divisor of cp and of --moe")
-    p.add_argument("--moe", type=int, default=0, help="E experts per block, top-2 (0: an MLP)")
-    p.add_argument("--checkpoint", action="store_true", help="recompute each block in backward")
-    for name in ("layers", "hidden", "heads", "seq"):
-        p.add_argument(f"--{name}", type=int, default=getattr(Config, name), help=f"the model's {name}")
-    return p
-
-
 def configuration_error(cfg: Config, grid) -> str | None:
     """Why this model cannot be cut over this grid, in one sentence saying what to change, or None."""
     if min(cfg.layers, cfg.hidden, cfg.heads, cfg.seq) < 1 or cfg.experts < 0 or cfg.seq > len(CORPUS) - 2:
@@ -237,6 +223,20 @@ def configuration_error(cfg: Config, grid) -> str | None:
     return None
 
 
+# ----- demo: one forward + backward against the dense model -----
+
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--cp", type=int, default=None, help="context-parallel ranks (default: the world / tp)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default 2 where the world allows)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, a divisor of cp and of --moe")
+    p.add_argument("--moe", type=int, default=0, help="E experts per block, top-2 (0: an MLP)")
+    p.add_argument("--checkpoint", action="store_true", help="recompute each block in backward")
+    for name in ("layers", "hidden", "heads", "seq"):
+        p.add_argument(f"--{name}", type=int, default=getattr(Config, name), help=f"the model's {name}")
+    return p
+
+
 def step_against_dense(cfg: Config, mesh: Mesh):
     """One forward + backward of this rank's shard on its tokens beside the dense model on the whole batch.
     Returns the largest difference (the loss and every gradient), then (measured, ledger) pairs: the bytes
@@ -250,7 +250,7 @@ def step_against_dense(cfg: Config, mesh: Mesh):
     with saved.hooks():
         loss = vocab_parallel_cross_entropy(model(ids), targets, mesh.tp_group).mean()  # from V/tp logits
     loss.backward()
-    sent = {"tp": COUNTER.bytes["all_reduce"], "cp": COUNTER.bytes["ring"], "ep": COUNTER.bytes["all_to_all"]}
+    sent = {"tp": COUNTER.bytes["all_reduce"], "cp": COUNTER.bytes["ring attention"], "ep": COUNTER.bytes["all_to_all"]}
     me = mesh.coords["ep_index"]
     routed = [gpt_ledger.routed_rows(m, me) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     held = {"params": sum(p.nbytes for p in model.parameters()),

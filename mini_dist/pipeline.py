@@ -35,7 +35,8 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import debug, launch
+from mini_dist.kit import debug, launch, references
+from mini_dist.kit.wire import DEBUG, LEDGER, irecv, isend, wait
 from mini_dist.pipeline_agreement import agree_on_step, message_order
 from mini_dist.pipeline_schedules import (COMPUTE, FREES, SCHEDULES, Event, Schedule, route, schedules_for,
                                           torch_schedule)
@@ -58,6 +59,7 @@ def pipeline_step(stage, schedule: Schedule, inputs=None, targets=None, loss_fn=
     chunks = list(stage) if isinstance(stage, (list, tuple)) else [stage]
     agree_on_step(schedule, chunks, inputs, targets, loss_fn, group)
     run, t0 = Executor(chunks, schedule, inputs, targets, loss_fn, group, no_sync), time.perf_counter()
+    counted = LEDGER.bytes["pipeline"]
     for action in run.actions:
         (op, m, c), start = action, time.perf_counter() - t0
         if op in COMPUTE:
@@ -67,14 +69,15 @@ def pipeline_step(stage, schedule: Schedule, inputs=None, targets=None, loss_fn=
             if trace:
                 launch.trace(f"stage {run.stage(c)} {op} microbatch {m}")
         # a buffer goes once sent: holding all M until the end would undo 1F1B's memory saving
-        run.in_flight = [sent for sent in run.in_flight if not sent[0].is_completed()]
+        run.in_flight = [posted for posted in run.in_flight if not posted[0].is_completed()]
         run.stats.peak_live = max(run.stats.peak_live, len(run.layers))
         run.stats.events.append(Event(op, m, c, start, time.perf_counter() - t0))
     run.take_turns()
     if run.held:  # message_order was computed from another schedule
         raise RuntimeError(f"rank {run.ranks[run.rank]} never reached the turn of {list(run.held)}")
-    for work, _, peer in run.in_flight:
-        run.wait(work, peer, "a send")
+    for posted in run.in_flight:
+        wait(posted)
+    run.stats.bytes_sent = LEDGER.bytes["pipeline"] - counted  # the kit's wire counted every message
     return run.loss, run.stats
 
 
@@ -154,21 +157,22 @@ class Executor:
         peer, message = route(action, self.rank, self.P, self.S)
         if peer == self.rank:  # one rank holding several chunks: the message stays here
             return self.local.append(tensor)
-        first, tensors = message[0] == "act" and message[2] not in self.announced, [tensor.contiguous()]
+        first = message[0] == "act" and message[2] not in self.announced
+        tensors = [(tensor.contiguous(), "pipeline")]
         if first or debug.DEBUG:  # the receiver learns the shape; in debug mode it checks every message
             self.announced.add(message[2])
             values = [KINDS.index(message[0]), *message[1:], DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-            tensors.insert(0, torch.tensor(values + [0] * (HEADER_LEN - len(values)), device=launch.device()))
-        self.stats.bytes_sent += sum(t.nbytes for t in (tensors if first else tensors[-1:]))  # a debug header: free
-        self.held[message] = peer, tensors
+            header = torch.tensor(values + [0] * (HEADER_LEN - len(values)), device=launch.device())
+            tensors.insert(0, (header, "pipeline" if first else DEBUG))  # a debug header: not counted
+        self.held[message] = peer, tensors, self.label(action.op, m)
         self.take_turns()
 
     def take_turns(self, until=None):
         """Post the held sends: on gloo at once, on NCCL in their turn in `message_order` (up to receive `until`)."""
-        order = self.order if self.order is not None else deque(("send", p, m) for m, (p, _) in self.held.items())
+        order = self.order if self.order is not None else deque(("send", p, m) for m, (p, _, _) in self.held.items())
         while order and order[0] != until and order[0][2] in self.held:
-            peer, tensors = self.held.pop(order.popleft()[2])
-            self.in_flight += [(dist.isend(t, group=self.group, group_dst=peer), t, peer) for t in tensors]
+            peer, tensors, label = self.held.pop(order.popleft()[2])
+            self.in_flight += [isend(t, peer, self.group, label, kind) for t, kind in tensors if t.numel()]
         if until and self.order is not None and self.order.popleft() != until:
             raise RuntimeError(f"rank {self.ranks[self.rank]} is out of message_order at {until}")
 
@@ -180,7 +184,8 @@ class Executor:
             self.take_turns(("recv", peer, message))
         if peer != self.rank and (expected is None or debug.DEBUG):
             kind, mb, j, dtype, ndim, *sizes = self.receive(
-                torch.empty(HEADER_LEN, dtype=torch.int64, device=launch.device()), peer, action).tolist()
+                torch.empty(HEADER_LEN, dtype=torch.int64, device=launch.device()), peer, action,
+                "pipeline" if expected is None else DEBUG).tolist()
             got = ((KINDS[kind], mb, j), (sizes[:ndim], DTYPES[dtype]))
             if got[0] != message or got[1] != (expected or got[1]):
                 raise debug.Disagreement(f"rank {self.ranks[self.rank]} expects the {message[0]} of microbatch "
@@ -189,21 +194,22 @@ class Executor:
                                          f"for stage {j}, {sizes[:ndim]}: the ranks run different schedules or models")
             expected = self.shapes[message[::2]] = got[1]  # by (act|grad, stage): only activations are looked up
         tensor = self.local.popleft() if peer == self.rank else self.receive(
-            torch.empty(expected[0], dtype=expected[1], device=launch.device()), peer, action)
+            torch.empty(expected[0], dtype=expected[1], device=launch.device()), peer, action, "pipeline")
         if message[0] == "act":
             self.x[m, c] = tensor.requires_grad_()
         else:
             self.dy[m, c] = tensor
 
-    def receive(self, tensor, peer, action):
-        self.wait(dist.irecv(tensor, group=self.group, group_src=peer), peer, f"{action.op} of microbatch {action.mb}")
+    def receive(self, tensor, peer, action, kind):
+        wait(irecv(tensor, peer, self.group, self.label(action.op, action.mb), kind))
         return tensor
 
-    def wait(self, work, peer, what):
-        debug.wait_for(work, self.ranks[peer], f"rank {self.ranks[self.rank]}, {what} with its pipeline neighbour")
+    def label(self, op, m) -> str:
+        """What a lost neighbour's error and VERBOSE=1 say of one message."""
+        return f"rank {self.ranks[self.rank]}, {op} of microbatch {m} with its pipeline neighbour"
 
 
-# ----- the references: torch.distributed.pipelining, and one process on the whole batch -----
+# ----- the reference: torch.distributed.pipelining (one process on the whole batch: kit/references.py) -----
 
 def torch_step(chunks: list, name: str, n_microbatches: int, loss_fn, group=None):
     """torch's training step on the same chunks: step(inputs, targets) -> the batch loss on the last stage."""
@@ -215,23 +221,6 @@ def torch_step(chunks: list, name: str, n_microbatches: int, loss_fn, group=None
         schedule.step(*[inputs] * (r == 0), **(dict(target=targets, losses=losses) if r == P - 1 else {}))
         return torch.stack(losses).mean() if losses else None
     return step
-
-
-def against_one_process(model, chunks, name: str, plan: Schedule, x, y, repeats: int = 1, trace=False) -> tuple:
-    """Our step of `plan` (`repeats` times, the first traced if asked) and torch's on this rank's `chunks` of
-    `model`: each one's largest difference from one process on the whole batch (x, y); our StepStats."""
-    loss_fn = nn.MSELoss()
-    full_loss = loss_fn(model(x), y)
-    full_loss.backward()
-    expected, diffs, stats = {p: p.grad.clone() for p in model.parameters()}, [], []
-    ours = [lambda: pipeline_step(chunks, plan, x, y, loss_fn, trace=trace and not stats)] * repeats
-    for step in ours + [lambda: (torch_step(chunks, name, plan.n_microbatches, loss_fn)(x, y), None)]:
-        model.zero_grad()
-        loss, mine = step()
-        diffs.append(max([0.0 if loss is None else abs(loss - full_loss).item()] +
-                         [(p.grad - expected[p]).abs().max().item() for c in chunks for p in c.parameters()]))
-        stats += [mine] * (mine is not None)
-    return max(diffs[:-1]), diffs[-1], stats
 
 
 def what_flows_between_stages(n_microbatches: int = 8, width: int = 8, group=None) -> tuple[str, bool]:
@@ -282,8 +271,11 @@ def demo(args) -> int:
     worst = 0.0
     for name, plan in plans.items():
         model, x, y = toy_pipeline(2 * P * plan.n_chunks, w, 3 * M)
-        ours, theirs, _ = against_one_process(model, pipeline_chunks(model, None, plan.n_chunks), name, plan, x, y,
-                                              trace=launch.VERBOSE and name == next(iter(plans)))
+        chunks = pipeline_chunks(model, None, plan.n_chunks)
+        trace = launch.VERBOSE and name == next(iter(plans))
+        ours, theirs, _ = references.against_one_process(
+            model, chunks, x, y, lambda loss, first: pipeline_step(chunks, plan, x, y, loss, trace=trace and first),
+            lambda loss: torch_step(chunks, name, plan.n_microbatches, loss)(x, y))
         worst = max(worst, ours, theirs)
         launch.print0(f"{name + f' v={plan.n_chunks}' * (plan.n_chunks > 1):<16} | {ours:>9.1e} | {theirs:>9.1e}")
     flows, flows_ok = what_flows_between_stages(M, w)

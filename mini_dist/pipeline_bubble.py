@@ -36,9 +36,9 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch, weakly
+from mini_dist.kit import launch, references, weakly
 from mini_dist.kit.timing import median, quantile
-from mini_dist.pipeline import against_one_process
+from mini_dist.pipeline import pipeline_step, torch_step
 from mini_dist.pipeline_schedules import (COMPUTE, SCHEDULES, Event, Schedule, label, live_microbatches, route,
                                           schedules_for)
 from mini_dist.pipeline_stages import pipeline_chunks
@@ -190,7 +190,10 @@ def measure(name: str, P: int, M: int, v: int, seconds: float, steps: int, trace
         nn.Linear(width, width), nn.Tanh(), SimulatedCompute(seconds))]).to(launch.device(), torch.float64)
     x, y = (torch.randn(4 * M, width, dtype=torch.float64, device=launch.device()) for _ in "xy")
     chunks = pipeline_chunks(model, None, v, [3] * P * v)
-    ours, theirs, mine = against_one_process(model, chunks, name, SCHEDULES[name](P, M, v), x, y, steps, trace)
+    plan = SCHEDULES[name](P, M, v)
+    ours, theirs, mine = references.against_one_process(
+        model, chunks, x, y, lambda loss, first: pipeline_step(chunks, plan, x, y, loss, trace=trace and first),
+        lambda loss: torch_step(chunks, name, M, loss)(x, y), steps)
     every = [[None] * P for _ in mine]
     for stats, gathered in zip(mine, every):
         dist.all_gather_object(gathered, stats)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 if not __package__:  # run as `torchrun mini_dist/reducer.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.kit import launch, models, weakly
-from mini_dist.ring_allreduce import ring_all_reduce
+from mini_dist.ring_pipelined import ring_all_reduce
 
 
 @dataclass(eq=False)

@@ -14,13 +14,13 @@ and receive (N-1) * D bytes, growing with N (Patarasuk & Yuan 2009; Baidu's ring
 Which rank starts which chunk is not arbitrary here: we send to the LEFT neighbour (r -> r-1) and give
 rank c chunk c, the layout gloo uses (chunk_bounds), so chunk c is summed in the order x[c-1] + x[c-2] +
 ... + x[c]. Floating-point addition is not associative; with the same order our result equals gloo's bit
-for bit. The naive way and the textbook ring come first; ring_all_reduce runs the same steps as one pipelined
-stream on gloo (mini_dist/ring_pipelined.py says what that buys) and the textbook's batched steps under NCCL.
+for bit. Each step is one `send_recv` of the kit's wire (mini_dist/kit/wire.py: one batch, safe under NCCL,
+counted in its LEDGER). The naive way comes first, then the ring; mini_dist/ring_pipelined.py runs the same
+steps as one pipelined stream, tuned for gloo, and is what the library calls.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/ring_allreduce.py [--numel 1048579]
 
-Timings against gloo: `./run.sh bench 4 collectives`. Mirrors torch.distributed.all_reduce /
-reduce_scatter_single / all_gather_single.
+Mirrors torch.distributed.all_reduce / reduce_scatter_single / all_gather_single.
 """
 import sys
 from pathlib import Path
@@ -30,10 +30,28 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import ring_pipelined as pipelined
 from mini_dist.kit import launch
-from mini_dist.ring_pipelined import (AVG, LEDGER, MAX, MIN, PRODUCT, SUM, check_collective,  # noqa: F401
-                                      reduce_into, send_recv)
+from mini_dist.kit.debug import check_collective
+from mini_dist.kit.wire import LEDGER, send_recv
+
+SUM = dist.ReduceOp.SUM
+AVG = dist.ReduceOp.AVG
+MAX = dist.ReduceOp.MAX
+MIN = dist.ReduceOp.MIN
+PRODUCT = dist.ReduceOp.PRODUCT
+
+
+def reduce_into(acc: torch.Tensor, incoming: torch.Tensor, op) -> None:
+    """acc = acc (op) incoming, in place. AVG adds: the caller divides once, at the end."""
+    if op in (SUM, AVG):
+        acc.add_(incoming)
+    elif op == PRODUCT:
+        acc.mul_(incoming)
+    elif op == MAX:
+        torch.maximum(acc, incoming, out=acc)
+    else:
+        torch.minimum(acc, incoming, out=acc)
+
 
 # ----------------------------------------------------------------------------- the naive way, then the ring
 
@@ -95,70 +113,52 @@ def textbook_all_gather_steps(chunks: list[torch.Tensor], group=None) -> None:
     # end exercise
 
 
-def textbook_ring_all_reduce(tensor: torch.Tensor, op=SUM, group=None) -> torch.Tensor:
-    """In place, like dist.all_reduce (a contiguous tensor): reduce-scatter, then all-gather."""
-    n, flat = dist.get_world_size(group), tensor.view(-1)
+def ring_all_reduce(tensor: torch.Tensor, op=SUM, group=None) -> torch.Tensor:
+    """In place, like dist.all_reduce: reduce-scatter, then all-gather."""
+    check_collective(tensor, op, group, "ring_all_reduce")
+    n = dist.get_world_size(group)
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
     chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), n, flat.element_size())]  # [D/N] each, about
     textbook_reduce_scatter_steps(chunks, op, group)
     textbook_all_gather_steps(chunks, group)
     if op == AVG:
         flat.div_(n)
-    return tensor
-
-
-# ----------------------------------------------------------------------------- the ring as the library runs it
-# On gloo the same steps run as one pipelined stream (segments moving on as they arrive, receives posted
-# ahead, at N = 2 one fused exchange: ring_pipelined.py), reduced in the same order, so just as exact, and
-# about as fast as gloo's own ring. NCCL needs each step's send and receive in one batch: the textbook steps.
-
-
-def ring_all_reduce(tensor: torch.Tensor, op=SUM, group=None) -> torch.Tensor:
-    """In place, like dist.all_reduce: every rank ends with the reduction of every rank's tensor."""
-    check_collective(tensor, op, group, "ring_all_reduce")
-    n = dist.get_world_size(group)
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-    if launch.nccl(group):  # (or a recorded run that takes NCCL's paths: nccl_order.py)
-        textbook_ring_all_reduce(flat, op, group)
-    else:
-        if n == 2 and flat.numel():
-            pipelined.fused_exchange(flat, group, "ring_all_reduce", op)
-        else:
-            chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), n, flat.element_size())]
-            pipelined.pipelined_ring_steps(chunks, range(2 * n - 2), group, "ring_all_reduce", op)
-        if op == AVG:
-            flat.div_(n)
     return tensor if tensor.is_contiguous() else tensor.copy_(flat.view_as(tensor))
+
+
+def reduce_scatter_chunks(output: torch.Tensor, input: torch.Tensor, op, group) -> list[torch.Tensor]:
+    """ring_reduce_scatter's checks, and the N chunks its steps reduce: a copy of the input."""
+    check_collective(input, op, group, "ring_reduce_scatter")
+    n = dist.get_world_size(group)
+    if input.numel() != n * output.numel():
+        raise ValueError(f"ring_reduce_scatter: input has {input.numel()} elements, expected "
+                         f"group size {n} x output's {output.numel()}")
+    return list(input.reshape(-1).clone().chunk(n)) if output.numel() else [output.view(-1)] * n
 
 
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=SUM, group=None) -> torch.Tensor:
     """Like dist.reduce_scatter_single: rank r gets block r of the reduced input (N equal blocks)."""
-    check_collective(input, op, group, "ring_reduce_scatter")
-    n, me = dist.get_world_size(group), dist.get_rank(group)
-    if input.numel() != n * output.numel():
-        raise ValueError(f"ring_reduce_scatter: input has {input.numel()} elements, expected "
-                         f"group size {n} x output's {output.numel()}")
-    chunks = list(input.reshape(-1).clone().chunk(n)) if output.numel() else [output.view(-1)] * n  # a copy
-    if launch.nccl(group):
-        textbook_reduce_scatter_steps(chunks, op, group)
-    else:
-        pipelined.pipelined_ring_steps(chunks, range(n - 1), group, "ring_reduce_scatter", op)
-    output.view(-1).copy_(chunks[me])
-    return output.div_(n) if op == AVG else output
+    chunks = reduce_scatter_chunks(output, input, op, group)
+    textbook_reduce_scatter_steps(chunks, op, group)
+    output.view(-1).copy_(chunks[dist.get_rank(group)])
+    return output.div_(dist.get_world_size(group)) if op == AVG else output
 
 
-def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
-    """Like dist.all_gather_single: output = every rank's input, concatenated in rank order."""
+def all_gather_chunks(output: torch.Tensor, input: torch.Tensor, group) -> list[torch.Tensor]:
+    """ring_all_gather's checks, and the N chunks of the output its steps fill: this rank's already in place."""
     check_collective(input, SUM, group, "ring_all_gather")
-    n, me = dist.get_world_size(group), dist.get_rank(group)
+    n = dist.get_world_size(group)
     if output.numel() != n * input.numel() or not output.is_contiguous():
         raise ValueError(f"ring_all_gather: output must be contiguous with group size {n} x input's "
                          f"{input.numel()} elements, got {output.numel()}")
     chunks = list(output.view(-1).chunk(n)) if input.numel() else [output.view(-1)] * n
-    chunks[me].copy_(input.reshape(-1))
-    if launch.nccl(group):
-        textbook_all_gather_steps(chunks, group)
-    else:
-        pipelined.pipelined_ring_steps(chunks, range(n - 1, 2 * n - 2), group, "ring_all_gather")
+    chunks[dist.get_rank(group)].copy_(input.reshape(-1))
+    return chunks
+
+
+def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+    """Like dist.all_gather_single: output = every rank's input, concatenated in rank order."""
+    textbook_all_gather_steps(all_gather_chunks(output, input, group), group)
     return output
 
 
@@ -187,7 +187,7 @@ def ring_step_picture(group=None) -> tuple[str, bool]:
         return real(ops)
     dist.batch_isend_irecv = recording
     try:
-        textbook_ring_all_reduce(x, SUM, group)
+        ring_all_reduce(x, SUM, group)
     finally:
         dist.batch_isend_irecv = real
     rows = [[bin(int(s[a])).count("1") for a in starts] + [c] for s, c in zip(states + [x], sent)]  # [2N-1, N+1]
@@ -279,11 +279,11 @@ def demo(args) -> int:
     dist.all_reduce(native)
     dist.reduce_scatter_single(rs, blocks)
     dist.all_gather_single(ag, x)
-    same = [torch.equal(native, fn(x.clone())) for fn in (ring_all_reduce, textbook_ring_all_reduce)] + [
-        torch.equal(rs, ring_reduce_scatter(torch.empty_like(rs), blocks)),
-        torch.equal(ag, ring_all_gather(torch.empty_like(ag), x))]
-    launch.print0(f"ring all-reduce, textbook ring all-reduce, ring reduce-scatter, ring all-gather vs gloo's on {n} "
-                  f"ranks, {args.numel:,} fp32 per rank: {'bit-identical' if all(same) else f'DIFFERENT {same}'}")
+    same = [torch.equal(native, ring_all_reduce(x.clone())),
+            torch.equal(rs, ring_reduce_scatter(torch.empty_like(rs), blocks)),
+            torch.equal(ag, ring_all_gather(torch.empty_like(ag), x))]
+    launch.print0(f"ring all-reduce, ring reduce-scatter, ring all-gather vs gloo's on {n} ranks, {args.numel:,} "
+                  f"fp32 per rank: {'bit-identical' if all(same) else f'DIFFERENT {same}'}")
     figures = [ring_step_picture(), what_each_rank_holds(), ring_bytes_per_rank(),
                all_reduce_is_reduce_scatter_plus_all_gather()]
     for figure, _ in figures:

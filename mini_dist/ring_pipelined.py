@@ -13,16 +13,14 @@ The receive scratch is kept between calls: a fresh CPU MiB costs 256 page faults
 
 gloo only: NCCL runs a rank's unbatched sends and receives in order on one stream, where a receive posted
 ahead of the neighbour's send, or a send ahead of the neighbour's receive all around the ring, waits forever.
-Under NCCL ring_allreduce takes the textbook steps, each one batch_isend_irecv.
-
-This module is also the wire that the rings and mini_dist/topology.py share: every send goes through
-`send_recv` (one batched step) or `post` (the stream's), counted in LEDGER; and their input check.
+So the library's ring_all_reduce, ring_reduce_scatter and ring_all_gather (the last section: what DDP, ZeRO
+and topology call) are ring_allreduce.py's, the same calls with the same checks, run as this stream on gloo
+and as the textbook's batched steps under NCCL. Every message goes through the kit's wire (kit/wire.py).
 
     torchrun --standalone --nproc_per_node=4 mini_dist/ring_pipelined.py [--numel 4194304]
 """
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,26 +28,16 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import debug, launch
+from mini_dist import ring_allreduce as textbook
+from mini_dist.kit import launch
+from mini_dist.kit.debug import check_collective
 from mini_dist.kit.timing import median, timed
+from mini_dist.kit.wire import irecv, isend, wait
+from mini_dist.ring_allreduce import AVG, SUM, chunk_bounds, reduce_into
 
-SUM, AVG, MAX, MIN, PRODUCT = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX,
-                               dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
 SEGMENT_BYTES = 1 << 20  # a chunk travels in pieces of at most this size
 IN_FLIGHT = 2            # receives posted ahead while reducing (gloo's own ring keeps two)
 EXCHANGE_AHEAD = 4       # and in the N = 2 exchange, where sends and receives share one socket
-
-
-def reduce_into(acc: torch.Tensor, incoming: torch.Tensor, op) -> None:
-    """acc = acc (op) incoming, in place. AVG adds: the caller divides once, at the end."""
-    if op in (SUM, AVG):
-        acc.add_(incoming)
-    elif op == PRODUCT:
-        acc.mul_(incoming)
-    elif op == MAX:
-        torch.maximum(acc, incoming, out=acc)
-    else:
-        torch.minimum(acc, incoming, out=acc)
 
 
 def _segments(chunks: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -68,7 +56,8 @@ _SCRATCH: dict = {}  # (dtype, device) -> receive scratch, kept between calls (i
 
 def _scratch(piece: torch.Tensor, count: int) -> list[torch.Tensor]:
     """`count` buffers like `piece`, the same memory every call (gloo's scratch reuses its pages too)."""
-    key, n = (piece.dtype, piece.device), piece.numel()
+    key = (piece.dtype, piece.device)
+    n = piece.numel()
     if key not in _SCRATCH or _SCRATCH[key].numel() < count * n:
         _SCRATCH[key] = torch.empty(count * n, dtype=piece.dtype, device=piece.device)
     return [_SCRATCH[key][k * n:(k + 1) * n] for k in range(count)]
@@ -79,29 +68,45 @@ def pipelined_ring_steps(chunks: list[torch.Tensor], steps: range, group, name: 
     neighbour and receives chunk rank+2+j from its right one, reduced into ours (steps 0..N-2: reduce-scatter)
     or stored (steps N-1..2N-3: all-gather); the chunk received at step j is the one sent at step j+1."""
     me, n = dist.get_rank(group), dist.get_world_size(group)
-    left, right, pieces = (me - 1) % n, (me + 1) % n, _segments(chunks)
-    S, items = len(pieces[0]), len(steps) * len(pieces[0])  # item i: step steps[i // S], segment i % S
+    left = (me - 1) % n
+    right = (me + 1) % n
+    pieces = _segments(chunks)
+    S = len(pieces[0])         # segments per chunk
+    items = len(steps) * S     # item i: step steps[i // S], segment i % S
     if not items:
         return
-    step = lambda i: steps[i // S]  # noqa: E731
-    piece = lambda i, shift: pieces[(me + shift + step(i)) % n][i % S]  # noqa: E731  shift 1: sent, 2: received
-    reduces = lambda i: step(i) < n - 1  # noqa: E731
+
+    def step(i):
+        return steps[i // S]
+
+    def piece(i, shift):
+        """Item i's segment of the chunk sent (shift 1) or received (shift 2) at its step."""
+        return pieces[(me + shift + step(i)) % n][i % S]
+
+    def reduces(i):
+        return step(i) < n - 1
+
     scratch = _scratch(pieces[0][0], IN_FLIGHT) if reduces(0) else []
-    landing = lambda i: scratch[i % IN_FLIGHT][:piece(i, 2).numel()] if reduces(i) else piece(i, 2)  # noqa: E731
-    recvs, sends = {}, [post(dist.isend, piece(i, 1), left, group) for i in range(min(S, items))]  # ours
+
+    def landing(i):
+        """Where item i's received segment lands: scratch while reducing, its place in the all-gather."""
+        return scratch[i % IN_FLIGHT][:piece(i, 2).numel()] if reduces(i) else piece(i, 2)
+
+    recvs = {}
+    sends = [isend(piece(i, 1), left, group, name) for i in range(min(S, items))]  # ours
     for i in range(items):
         while len(recvs) < items and (len(recvs) < i + IN_FLIGHT or not reduces(len(recvs))):
-            recvs[len(recvs)] = post(dist.irecv, landing(len(recvs)), right, group)
+            recvs[len(recvs)] = irecv(landing(len(recvs)), right, group, name)
         if launch.VERBOSE:  # (formatting the line costs microseconds a step: not on the fast path)
             launch.trace(f"{name} step {step(i)} segment {i % S}: send chunk {(me + 1 + step(i)) % n} -> rank "
                          f"{left}, receive chunk {(me + 2 + step(i)) % n} <- rank {right}")
-        wait(recvs[i], group, name)
+        wait(recvs[i])
         if reduces(i):
             reduce_into(piece(i, 2), landing(i), op)
         if i + S < items:  # pass on what just arrived first: the left neighbour is waiting for it
-            sends.append(post(dist.isend, piece(i + S, 1), left, group))
+            sends.append(isend(piece(i + S, 1), left, group, name))
     for posted in sends:
-        wait(posted, group, name)
+        wait(posted)
 
 
 def fused_exchange(flat: torch.Tensor, group, name: str, op=SUM) -> None:
@@ -109,123 +114,66 @@ def fused_exchange(flat: torch.Tensor, group, name: str, op=SUM) -> None:
     then its own half once reduced (all-gather). Sending its own half as it is, at once, lets the peer
     reduce that half too: the same D bytes, one step instead of two, D/2 more additions per rank. Two
     operands commute exactly: still gloo's sums. Receives go first, so the peer's sends can land."""
-    peer, pieces, ahead = 1 - dist.get_rank(group), _segments([flat])[0], EXCHANGE_AHEAD
+    peer = 1 - dist.get_rank(group)
+    pieces = _segments([flat])[0]
+    ahead = EXCHANGE_AHEAD
     scratch = _scratch(pieces[0], ahead)
-    landing = lambda k: scratch[k % ahead][:pieces[k].numel()]  # noqa: E731
-    recvs = [post(dist.irecv, landing(k), peer, group) for k in range(min(ahead, len(pieces)))]
-    sends = [post(dist.isend, piece, peer, group) for piece in pieces]
+
+    def landing(k):
+        return scratch[k % ahead][:pieces[k].numel()]
+
+    recvs = [irecv(landing(k), peer, group, name) for k in range(min(ahead, len(pieces)))]
+    sends = [isend(piece, peer, group, name) for piece in pieces]
     for k, piece in enumerate(pieces):
         if launch.VERBOSE:
             launch.trace(f"{name}, N = 2, one exchange: segment {k} -> rank {peer}, rank {peer}'s <- and reduced")
-        wait(recvs[k], group, name)
-        wait(sends[k], group, name)  # the piece is ours to change only once it has left
+        wait(recvs[k])
+        wait(sends[k])  # the piece is ours to change only once it has left
         reduce_into(piece, landing(k), op)
         if k + ahead < len(pieces):
-            recvs.append(post(dist.irecv, landing(k + ahead), peer, group))
+            recvs.append(irecv(landing(k + ahead), peer, group, name))
 
 
-# ----------------------------------------------------------------------------- the wire, counted
+# ----------------------------------------------------------------------------- the library's ring
 
 
-@dataclass
-class ByteLedger:
-    """Bytes this rank put on the wire and took off it through this module (the rings, topology's
-    algorithms). before_send(global peer, bytes), when set, runs before every send: mini_dist.topology.Links
-    sorts the bytes by link there, and delays the ones that cross a SIMULATED slow link."""
-    sent: int = 0
-    received: int = 0
-    before_send: object = None
-
-    def reset(self) -> None:
-        self.sent = self.received = 0
-
-    def send(self, nbytes: int, peer: int, group) -> None:
-        self.sent += nbytes
-        if self.before_send is not None:
-            self.before_send(dist.get_global_rank(group, peer) if group is not None else peer, nbytes)
-
-
-LEDGER = ByteLedger()
+def ring_all_reduce(tensor: torch.Tensor, op=SUM, group=None) -> torch.Tensor:
+    """ring_allreduce.ring_all_reduce (in place, like dist.all_reduce): as one stream on gloo, at N = 2 one
+    exchange; under NCCL (or a recorded run that takes NCCL's paths: nccl_order.py) the textbook steps."""
+    if launch.nccl(group):
+        return textbook.ring_all_reduce(tensor, op, group)
+    check_collective(tensor, op, group, "ring_all_reduce")
+    n = dist.get_world_size(group)
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    if n == 2 and flat.numel():
+        fused_exchange(flat, group, "ring_all_reduce", op)
+    else:
+        chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), n, flat.element_size())]
+        pipelined_ring_steps(chunks, range(2 * n - 2), group, "ring_all_reduce", op)
+    if op == AVG:
+        flat.div_(n)
+    return tensor if tensor.is_contiguous() else tensor.copy_(flat.view_as(tensor))
 
 
-def send_recv(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int, group, name: str) -> None:
-    """One step: send `send` to group rank dst while receiving `recv` from src, in ONE batch_isend_irecv.
-    NCCL runs a rank's unbatched sends and receives in order on one stream: if every rank of a ring sent
-    first, each send would wait for a receive its neighbour has queued behind its own send. A batch runs
-    as one unit. Empty (or None) tensors stay home: the peer skips the same empty piece."""
-    if debug.DEBUG:
-        compare_sizes(send, dst, recv, src, group, name)
-    ops, peers = [], []
-    if send is not None and send.numel():
-        LEDGER.send(send.nbytes, dst, group)
-        ops.append(dist.P2POp(dist.isend, send, group=group, group_peer=dst))
-        peers.append(("sending to", dst))
-    if recv is not None and recv.numel():
-        LEDGER.received += recv.nbytes
-        ops.append(dist.P2POp(dist.irecv, recv, group=group, group_peer=src))
-        peers.append(("receiving from", src))
-    works = dist.batch_isend_irecv(ops) if ops else []
-    for k, work in enumerate(works):  # one work per op on gloo; NCCL may coalesce them into one
-        doing, peer = peers[k] if len(works) == len(peers) else peers[0]
-        wait((work, doing, peer), group, name)
+def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=SUM, group=None) -> torch.Tensor:
+    """ring_allreduce.ring_reduce_scatter (like dist.reduce_scatter_single), as one stream on gloo."""
+    if launch.nccl(group):
+        return textbook.ring_reduce_scatter(output, input, op, group)
+    chunks = textbook.reduce_scatter_chunks(output, input, op, group)
+    n = dist.get_world_size(group)
+    pipelined_ring_steps(chunks, range(n - 1), group, "ring_reduce_scatter", op)
+    output.view(-1).copy_(chunks[dist.get_rank(group)])
+    return output.div_(n) if op == AVG else output
 
 
-def compare_sizes(send, dst: int, recv, src: int, group, name: str) -> None:
-    """Under MINI_DIST_DEBUG=1, each end of a send first tells the other its size, in one batch: a chunk index
-    that is off by one (a piece of another size, or an empty one that stays home) fails at once on both ends,
-    named, instead of a receive that waits for a message that never comes or comes cut."""
-    me, of = dist.get_rank(group), (lambda r: dist.get_global_rank(group, r) if group is not None else r)
-    mine = [(t, peer, torch.tensor([t.numel()], device=launch.device()), torch.empty(1, dtype=torch.int64,
-             device=launch.device())) for t, peer in ((send, dst), (recv, src)) if t is not None]
-    ops = [dist.P2POp(dist.isend, told, group=group, group_peer=peer) for _, peer, told, _ in mine]
-    ops += [dist.P2POp(dist.irecv, heard, group=group, group_peer=peer) for _, peer, _, heard in mine[::-1]]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    for (t, peer, _, heard), sending in zip(mine, [send is not None, False]):
-        if heard.item() != t.numel():
-            raise debug.Disagreement(
-                f"{name}: rank {of(me)} {'sends' if sending else 'expects'} {t.numel()} elements "
-                f"{'to' if sending else 'from'} rank {of(peer)}, which {'expects' if sending else 'sends'} "
-                f"{heard.item()}: the two ranks mean different pieces (a chunk index off by one?)")
-
-
-def post(p2p, piece: torch.Tensor, peer: int, group):
-    """Unbatched isend or irecv of one piece to/from group rank `peer`, counted (nothing if empty)."""
-    if not piece.numel():
-        return None
-    if p2p is dist.isend:
-        LEDGER.send(piece.nbytes, peer, group)
-        return p2p(piece, group=group, group_dst=peer), "sending to", peer
-    LEDGER.received += piece.nbytes
-    return p2p(piece, group=group, group_src=peer), "receiving from", peer
-
-
-def wait(posted, group, name: str) -> None:
-    """Wait for a posted send or receive; if it fails, say which rank we were talking to."""
-    if posted is not None:
-        work, doing, peer = posted
-        debug.wait_for(work, dist.get_global_rank(group, peer) if group is not None else peer, f"{name}, {doing} it")
-
-
-OPS = {SUM: "SUM", AVG: "AVG", MAX: "MAX", MIN: "MIN", PRODUCT: "PRODUCT"}
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-          torch.int32, torch.int64, torch.bool]
-
-
-def check_collective(tensor: torch.Tensor, op, group, name: str, also: str = "") -> None:
-    """Ranks that disagree are named on every rank (debug mode); bad input shared by all fails on all."""
-    if debug.DEBUG:  # (one more latency-bound collective per call: only under MINI_DIST_DEBUG=1)
-        debug.agree(name, f"shape {tuple(tensor.shape)} dtype {tensor.dtype} op {OPS.get(op, op)} on "
-                          f"{tensor.device.type}{also}", group)
-    if op not in OPS:
-        raise ValueError(f"{name}: unsupported op {op}; use SUM, AVG, MAX, MIN or PRODUCT")
-    if tensor.dtype not in DTYPES:
-        raise ValueError(f"{name}: unsupported dtype {tensor.dtype}; use one of {DTYPES}")
-    if tensor.device.type != launch.device().type:
-        raise ValueError(f"{name}: a tensor on {tensor.device.type} cannot travel over "
-                         f"{dist.get_backend(group)}; create it on mini_dist.launch.device()")
-    if op == AVG and not tensor.is_floating_point():
-        raise ValueError(f"{name}: AVG of {tensor.dtype} tensors would round; use SUM and divide")
+def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+    """ring_allreduce.ring_all_gather (like dist.all_gather_single), as one stream on gloo."""
+    if launch.nccl(group):
+        return textbook.ring_all_gather(output, input, group)
+    n = dist.get_world_size(group)
+    chunks = textbook.all_gather_chunks(output, input, group)
+    pipelined_ring_steps(chunks, range(n - 1, 2 * n - 2), group, "ring_all_gather")
+    return output
 
 
 # ----------------------------------------------------------------------------- demo

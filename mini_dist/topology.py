@@ -35,14 +35,14 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/topology.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.alpha_beta import (crossovers, fitted_links, link_bytes, predict, real_rank,  # noqa: F401
-                                  schedule, winners)
+from mini_dist.alpha_beta import crossovers, fitted_links, link_bytes, predict, real_rank, schedule, winners
 from mini_dist import alpha_beta
 from mini_dist.kit import launch
+from mini_dist.kit.debug import check_collective
 from mini_dist.kit.timing import median, timed
-from mini_dist.ring_allreduce import ring_all_gather, ring_all_reduce, ring_reduce_scatter
-from mini_dist.ring_pipelined import (AVG, LEDGER, MAX, MIN, PRODUCT, SUM, check_collective,  # noqa: F401
-                                      reduce_into, send_recv)
+from mini_dist.kit.wire import LEDGER, send_recv
+from mini_dist.ring_allreduce import AVG, MAX, SUM, reduce_into
+from mini_dist.ring_pipelined import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
 # ----------------------------------------------------------------------------- hierarchical: the ring, twice
 
@@ -174,28 +174,30 @@ ALGORITHMS = {"ring": lambda t, G, group: ring_all_reduce(t, group=group),
 class Links:
     """with Links(G, group) as links: ...  ->  links.sent = {"intra": bytes, "inter": bytes} this rank sent.
 
-    Every send of mini_dist's rings and of this module inside the block is sorted by the kind of link it
-    crosses, where they post it (LEDGER.before_send). With delay_s or bandwidth, a send between nodes first
-    waits delay_s + bytes / bandwidth: a SIMULATED slow link."""
+    Every message sent inside the block (the kit's wire: the rings, this module) is sorted by the link it
+    crosses as it is posted: a watcher of the wire's LEDGER. With delay_s or bandwidth, a send between nodes
+    first waits delay_s + bytes / bandwidth: a SIMULATED slow link."""
 
     def __init__(self, ranks_per_node: int, group=None, delay_s: float = 0.0, bandwidth: float = math.inf):
         ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
         self.node = {rank: i // ranks_per_node for i, rank in enumerate(ranks)}
-        self.delay_s, self.bandwidth, self.sent = delay_s, bandwidth, {"intra": 0, "inter": 0}
+        self.delay_s = delay_s
+        self.bandwidth = bandwidth
+        self.sent = {"intra": 0, "inter": 0}
+
+    def before_send(self, event: str, peer, group, nbytes: int, kind, label) -> None:
+        if event == "send":
+            link = "intra" if self.node[peer] == self.node[dist.get_rank()] else "inter"
+            self.sent[link] += nbytes
+            if link == "inter" and (self.delay_s or self.bandwidth < math.inf):
+                time.sleep(self.delay_s + nbytes / self.bandwidth)
 
     def __enter__(self):
-        self.saved, me = LEDGER.before_send, dist.get_rank()
-
-        def before_send(peer: int, nbytes: int) -> None:
-            kind = "intra" if self.node[peer] == self.node[me] else "inter"
-            self.sent[kind] += nbytes
-            if kind == "inter" and (self.delay_s or self.bandwidth < math.inf):
-                time.sleep(self.delay_s + nbytes / self.bandwidth)
-        LEDGER.before_send = before_send
+        LEDGER.watchers.append(self.before_send)
         return self
 
     def __exit__(self, *exc):
-        LEDGER.before_send = self.saved
+        LEDGER.watchers.remove(self.before_send)
 
 
 # ----------------------------------------------------------------------------- what the demo measures

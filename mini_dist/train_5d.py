@@ -48,7 +48,7 @@ from mini_dist.parallel_gpt import configuration_error as model_error
 from mini_dist.pipeline import pipeline_step
 from mini_dist.pipeline_schedules import SCHEDULES
 from mini_dist.pipeline_stages import balanced_split, pipeline_chunks
-from mini_dist.ring_allreduce import LEDGER, ring_all_reduce
+from mini_dist.ring_pipelined import ring_all_reduce
 from mini_dist.vocab_parallel import vocab_parallel_cross_entropy
 from mini_dist.zero import ZeroOptimizer
 from mini_dist.zero_ledger import memory_ledger
@@ -148,14 +148,14 @@ def train_5d(cfg: Config, mesh: Mesh, steps: int, microbatches: int = 1, schedul
     grid, last = mesh.grid, mesh.pp_rank == mesh.grid.pp - 1
     losses, sent = [], []
     for step in range(steps):
-        for ledger in [COUNTER, LEDGER] + [f.ledger for f in trainer.fsdp]:
+        for ledger in [COUNTER] + [f.ledger for f in trainer.fsdp]:  # COUNTER: the kit's wire LEDGER
             ledger.reset()
         for routed in trainer.routed:
             routed.clear()
         loss, stats, peak = trainer.step(step)
-        dp = sum(f.ledger.sent for f in trainer.fsdp) if trainer.fsdp else LEDGER.sent
-        sent.append({"dp": dp, "pp": stats.bytes_sent, "cp": COUNTER.bytes["ring"], "tp": COUNTER.bytes["all_reduce"],
-                     "ep": COUNTER.bytes["all_to_all"]})
+        dp = sum(f.ledger.sent for f in trainer.fsdp) if trainer.fsdp else COUNTER.bytes["ring"]
+        sent.append({"dp": dp, "pp": stats.bytes_sent, "cp": COUNTER.bytes["ring attention"],
+                     "tp": COUNTER.bytes["all_reduce"], "ep": COUNTER.bytes["all_to_all"]})
         memory = {**trainer.memory(), "activations": peak}
         for optimizer in trainer.optimizers:
             optimizer.zero_grad()

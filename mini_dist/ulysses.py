@@ -33,10 +33,10 @@ import torch.nn.functional as F
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import comm
-from mini_dist.kit import launch
-from mini_dist.context_parallel import SCORES, against_sdpa, ring_attention
+from mini_dist.kit import launch, references
+from mini_dist.context_parallel import SCORES, bytes_sent, ring_attention
 from mini_dist.sequence_layout import (CONTIGUOUS, SEQ_DIM, ZIGZAG, check_inputs, rank_order, reorder_chunks,
-                                       to_position_order)
+                                       split_sequence, to_position_order)
 
 HEAD_DIM = 1  # [batch, heads, seq, head_dim]
 
@@ -77,7 +77,8 @@ def ring_vs_ulysses(b=1, H=4, S=32, d=8) -> tuple[str, bool]:
     full = [torch.randn(b, H, S, d, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).to(dev)
             for seed in range(4)]  # the same whole sequence on every rank
     for name, attention in (("ring", ring_attention), ("Ulysses", ulysses_attention)):
-        diff, forward, _ = against_sdpa(attention, full, causal=True)
+        SCORES.reset()
+        diff, forward, _ = references.against_sdpa(attention, full, True, split_sequence, bytes_sent)
         seen[name] = (diff, forward, SCORES.peak_bytes)
     worst = comm.all_reduce(torch.tensor([max(s[0] for s in seen.values())], dtype=torch.float64, device=dev),
                             op=dist.ReduceOp.MAX).item()
@@ -108,7 +109,7 @@ def demo(args) -> int:
     worst, ledgers_ok, sent = 0.0, True, {}
     for name, attention in (("Ulysses", ulysses_attention), ("ring", ring_attention)):
         for causal in (False, True):
-            diff, fwd, bwd = against_sdpa(attention, full, causal)
+            diff, fwd, bwd = references.against_sdpa(attention, full, causal, split_sequence, bytes_sent)
             worst, ledgers_ok = max(worst, diff), ledgers_ok and (fwd, bwd) == (want[name] if C > 1 else (0, 0))
             sent[name] = fwd, bwd
             launch.print0(f"{name + ' causal' * causal:16}| {diff:27.1e} | {fwd:>15,} / {bwd:<15,}| {formula[name]}")

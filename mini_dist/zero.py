@@ -27,7 +27,7 @@ if not __package__:  # run as `torchrun mini_dist/zero.py`: Python put mini_dist
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.flat_param import Partition, flatten_into_buffer
 from mini_dist.kit import launch, models
-from mini_dist.ring_allreduce import ring_all_gather, ring_reduce_scatter
+from mini_dist.ring_pipelined import ring_all_gather, ring_reduce_scatter
 
 def zero1_step(flat: torch.Tensor, grad: torch.Tensor, step_shard, group=None, collectives: str = "native"):
     """One ZeRO-1 step. flat: the parameters as one vector of K*S elements, the same on every rank; grad:
@@ -98,7 +98,7 @@ def _ring_all_reduce(grad: torch.Tensor, group) -> None:  # reduce-scatter + all
     _ring_all_gather(grad, group)
 
 
-COLLECTIVES = {  # "ring": mini_dist/ring_allreduce.py, whose LEDGER counts every byte
+COLLECTIVES = {  # "ring": mini_dist/ring_pipelined.py, every byte counted in the kit's wire LEDGER
     "native": SimpleNamespace(all_reduce=lambda grad, group: dist.all_reduce(grad, group=group),
                               reduce_scatter=_native_reduce_scatter, all_gather=_native_all_gather),
     "ring": SimpleNamespace(all_reduce=_ring_all_reduce, reduce_scatter=_ring_reduce_scatter,

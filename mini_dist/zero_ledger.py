@@ -11,7 +11,7 @@ Memory per rank of K ranks training N parameters (N/K means the shard S; N count
 Bytes each rank sends per step: a ring reduce-scatter or all-gather of the flat vector sends (K-1)*S*b
 (b bytes per element), and a step takes 2 of them in DDP (the all-reduce), 3 in ZeRO-1 (+ the parameter
 all-gather), 2 in ZeRO-2 (reduce-scatter, all-gather): ZeRO-2 moves exactly what DDP moves, not less.
-The ledgers read the live tensors' storages (memory) and ring_allreduce's LEDGER (bytes), never a formula.
+The ledgers read the live tensors' storages (memory) and the kit's wire LEDGER (bytes), never a formula.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/zero_ledger.py [--widths 19 60 60]
 
@@ -28,7 +28,7 @@ if not __package__:  # run as `torchrun mini_dist/zero_ledger.py`: Python put mi
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import fsdp_ledger
 from mini_dist.kit import launch, models
-from mini_dist.ring_allreduce import LEDGER
+from mini_dist.kit.wire import LEDGER
 from mini_dist.zero import Partition, ZeroOptimizer
 
 PASSES = {0: 2, 1: 3, 2: 2}  # ring passes of (K-1)*S*b bytes per step: reduce-scatter, all-gathers

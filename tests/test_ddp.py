@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as NativeDDP
 from harness import RankFailure, device, rank_generator, run, subgroup
 from mini_dist import ddp
 from mini_dist.kit import models
-from mini_dist.ring_allreduce import LEDGER, ring_all_reduce
+from mini_dist.kit.wire import LEDGER
+from mini_dist.ring_pipelined import ring_all_reduce
 
 F64 = torch.float64
 # fp64 throughout. Mini and native DDP (ranks >= 3), or one process on the full batch, add the same

@@ -1,9 +1,9 @@
-"""Ranks that disagree or vanish are named (mini_dist/debug.py).
+"""Ranks that disagree are named (mini_dist/kit/debug.py).
 
 Without the debug mode, an all-reduce of tensors with the same number of elements but another shape runs and
 returns a wrong sum: that is the mistake the mode exists for. With it, every rank raises naming the rank, both
-shapes and the lines that called (the mini_dist layer and the user's own line). The ring and the pipeline
-name a vanished peer (tests/test_ring_allreduce.py, tests/test_pipeline.py); here `wait_for` itself.
+shapes and the lines that called (the mini_dist layer and the user's own line). A vanished peer is named by
+the kit's wire (tests/test_wire.py, tests/test_ring_allreduce.py, tests/test_pipeline.py).
 """
 import os
 
@@ -59,25 +59,3 @@ def test_with_debug_every_rank_names_the_rank_and_the_users_line(world):
     assert all(f"rank {r} failed: Disagreement" in text for r in range(world))
     assert f"rank {world - 1} calls all_reduce ((3, 2, 4)" in text
     assert "test_debug.py:" in text and "in sum_with_one_rank_transposed" in text  # the caller's own line
-
-
-class FailingWork:
-    def __init__(self, error="Connection reset by peer\n(gloo details)"):
-        self.error = error
-
-    def wait(self):
-        raise RuntimeError(self.error)
-
-
-def test_wait_for_names_the_peer_and_where_to_look():
-    with pytest.raises(debug.PeerLost, match=r"ring step 3: lost rank 7 \(Connection reset by peer\); "
-                                             r"look for the first error in rank 7's log"):
-        debug.wait_for(FailingWork(), 7, "ring step 3")
-
-
-def test_a_peer_that_stays_silent_until_the_timeout_is_named_as_a_wait_not_a_loss():
-    with pytest.raises(debug.PeerLost, match=r"ring step 3: waited for rank 7 until the group's timeout \(\[x.cc:78\] "
-                                             r"Timed out waiting 10000ms for recv operation to complete\): rank 7 "
-                                             r"never posted the matching operation; is it waiting for this rank\?"):
-        debug.wait_for(FailingWork("[x.cc:78] Timed out waiting 10000ms for recv operation to complete"), 7,
-                       "ring step 3")

@@ -4,10 +4,12 @@
 - every concept file starts with a docstring and ends with a demo runnable under torchrun;
 - the kit imports no concept; no concept imports bench/; no import circle among the modules;
 - the one line that puts the repo on sys.path stays once per file, without a wall of `noqa: E402`;
-- the README stays at most 250 lines.
+- the README stays at most 250 lines;
+- every `torchrun ... mini_dist/...py` written in the source or the README names a file that exists.
 """
 import ast
 import os
+import re
 
 import pytest
 
@@ -99,3 +101,18 @@ def test_the_path_line_is_once_per_file_and_no_wall_of_noqa():
 def test_the_readme_is_at_most_250_lines():
     n = sum(1 for _ in open(os.path.join(ROOT, "README.md")))
     assert n <= 250, f"README.md has {n} lines; the house budget is 250"
+
+
+TORCHRUN_PATH = re.compile(r"torchrun\b[^\n`]*?(mini_dist/[\w/.]+\.py)")
+PLACEHOLDER = "mini_dist/x.py"  # the comment above each `sys.path.insert`: any concept file, run directly
+
+
+@pytest.mark.single_process
+def test_every_torchrun_command_in_the_source_and_the_readme_names_a_file_that_exists():
+    texts = {os.path.relpath(os.path.join(path, name), ROOT): os.path.join(path, name)
+             for path, _, names in os.walk(PACKAGE) for name in names if name.endswith((".py", ".md"))}
+    texts["README.md"] = os.path.join(ROOT, "README.md")
+    named = {(where, m.group(1)) for where, path in texts.items() for m in TORCHRUN_PATH.finditer(open(path).read())}
+    missing = sorted(f"{where}: {file}" for where, file in named
+                     if file != PLACEHOLDER and not os.path.exists(os.path.join(ROOT, file)))
+    assert named and not missing, f"torchrun commands naming files that do not exist (moved into the kit?): {missing}"

@@ -10,7 +10,7 @@ from torch import nn
 from harness import device, run
 from mini_dist import ddp
 from mini_dist.reducer import Timeline, build_buckets
-from mini_dist.ring_allreduce import ring_all_reduce
+from mini_dist.ring_pipelined import ring_all_reduce
 from test_ddp import F64, Net, trainable_bytes
 
 

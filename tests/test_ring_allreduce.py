@@ -1,4 +1,6 @@
-"""Ring collectives against torch.distributed's own, for drawn shapes, dtypes, ops, world sizes, groups."""
+"""Ring collectives against torch.distributed's own, for drawn shapes, dtypes, ops, world sizes, groups: the
+library's (mini_dist/ring_pipelined.py: the pipelined stream on gloo, with drawn segment sizes) and the textbook's
+(mini_dist/ring_allreduce.py), whose steps are the learner's exercise."""
 import contextlib
 import os
 import re
@@ -59,7 +61,7 @@ def all_reduce_both(seed, shape, dtype, op, ranks, pipeline, transposed=False):
     dist.all_reduce(native, op=OPS[op], group=group)
     ring = x.clone()
     with pipelined(*pipeline):
-        returned = ra.ring_all_reduce(ring, OPS[op], group=group)
+        returned = rp.ring_all_reduce(ring, OPS[op], group=group)
     assert returned is ring  # in place, like dist.all_reduce
     return native.cpu(), ring.cpu()
 
@@ -103,7 +105,7 @@ def reduce_scatter_both(seed, block, dtype, op, pipeline):
     dist.reduce_scatter_single(native, x, op=OPS[op])
     given = x.clone()
     with pipelined(*pipeline):
-        ring = ra.ring_reduce_scatter(torch.empty_like(native), x, OPS[op])
+        ring = rp.ring_reduce_scatter(torch.empty_like(native), x, OPS[op])
     assert torch.equal(x, given)  # the input is left as it was, as by the native reduce-scatter
     return native.cpu(), ring.cpu(), gathered.view(n, -1).cpu()
 
@@ -141,7 +143,7 @@ def all_gather_both(seed, shape, dtype, pipeline):
     native = torch.empty(n * x.numel(), dtype=dtype, device=device())
     dist.all_gather_single(native, x.reshape(-1))  # gloo wants matching chunk shapes; 0-d becomes (1,)
     with pipelined(*pipeline):
-        ring = ra.ring_all_gather(torch.empty_like(native), x)
+        ring = rp.ring_all_gather(torch.empty_like(native), x)
     return native.cpu(), ring.cpu()
 
 
@@ -169,7 +171,7 @@ def textbook_both(seed, shape, dtype, op, which):
     if which == "all_reduce":
         native, ours = x.clone(), x.clone()
         dist.all_reduce(native, op=OPS[op])
-        assert ra.textbook_ring_all_reduce(ours, OPS[op]) is ours
+        assert ra.ring_all_reduce(ours, OPS[op]) is ours
     elif which == "reduce_scatter":  # x is [n * block]: reduce, keep block r
         native = torch.empty(x.numel() // n, dtype=dtype, device=device())
         dist.reduce_scatter_single(native, x, op=OPS[op])
@@ -230,7 +232,7 @@ def test_textbook_all_gather_steps_give_every_rank_every_block_in_rank_order(wor
 
 def ledger_of(numel, dtype, which):
     ra.LEDGER.reset()
-    fn = {"ring": ra.ring_all_reduce, "textbook": ra.textbook_ring_all_reduce, "naive": ra.naive_all_reduce}[which]
+    fn = {"ring": rp.ring_all_reduce, "textbook": ra.ring_all_reduce, "naive": ra.naive_all_reduce}[which]
     fn(torch.ones(numel, dtype=dtype, device=device()))
     return ra.LEDGER.sent, ra.LEDGER.received
 
@@ -267,7 +269,7 @@ def batches(world_numel, as_nccl):
     launch.PRETEND_NCCL, debug.DEBUG = as_nccl, False
     x = torch.randn(world_numel, generator=rank_generator(1)).to(device())
     try:
-        ra.ring_all_reduce(y := x.clone())
+        rp.ring_all_reduce(y := x.clone())
     finally:
         dist.batch_isend_irecv, launch.PRETEND_NCCL, debug.DEBUG = saved
     native = x.clone()
@@ -298,8 +300,9 @@ def test_naive_all_reduce_equals_native_on_integers(world):
     assert all(run(world, naive_equals_native, 3, (7, 3)))
 
 
-def reduce_mismatched(kind):
+def reduce_mismatched(kind, module):
     r = dist.get_rank()
+    ring = {"pipelined": rp, "textbook": ra}[module]
     if kind == "shape":
         x = torch.zeros(3 + (r == 1), device=device())
     elif kind == "dtype":
@@ -307,19 +310,19 @@ def reduce_mismatched(kind):
     elif kind == "device":
         x = torch.zeros(3, device="meta" if r == 1 else device())
     elif kind == "op":
-        return ra.ring_all_reduce(torch.zeros(3, device=device()), op=dist.ReduceOp.BAND if r == 2 else ra.SUM)
+        return ring.ring_all_reduce(torch.zeros(3, device=device()), op=dist.ReduceOp.BAND if r == 2 else ra.SUM)
     elif kind == "dtype_unsupported":
-        return ra.ring_all_reduce(torch.zeros(3, dtype=torch.complex64 if r == 0 else torch.float32, device=device()))
+        return ring.ring_all_reduce(torch.zeros(3, dtype=torch.complex64 if r == 0 else torch.float32, device=device()))
     elif kind == "gather":
-        return ra.ring_all_gather(torch.empty(3 * (2 + (r == 2)), device=device()),
+        return ring.ring_all_gather(torch.empty(3 * (2 + (r == 2)), device=device()),
                                   torch.zeros(2 + (r == 2), device=device()))
     elif kind == "avg_int":
-        return ra.ring_all_reduce(torch.zeros(3, dtype=torch.int32, device=device()), op=ra.AVG)
+        return ring.ring_all_reduce(torch.zeros(3, dtype=torch.int32, device=device()), op=ra.AVG)
     elif kind == "complex_everywhere":
-        return ra.ring_all_reduce(torch.zeros(3, dtype=torch.complex64, device=device()))
+        return ring.ring_all_reduce(torch.zeros(3, dtype=torch.complex64, device=device()))
     else:
-        return ra.ring_reduce_scatter(torch.empty(2, device=device()), torch.zeros(5, device=device()))
-    return ra.ring_all_reduce(x)
+        return ring.ring_reduce_scatter(torch.empty(2, device=device()), torch.zeros(5, device=device()))
+    return ring.ring_all_reduce(x)
 
 
 @pytest.mark.parametrize("kind, message", [
@@ -333,10 +336,11 @@ def reduce_mismatched(kind):
     ("complex_everywhere", r"unsupported dtype torch.complex64"),
     ("sizes", r"input has 5 elements, expected group size 3 x output's 2"),
 ])
-def test_bad_input_fails_on_every_rank_with_a_clear_error_and_no_hang(kind, message):
+@pytest.mark.parametrize("module", ["pipelined", "textbook"])
+def test_bad_input_fails_on_every_rank_with_a_clear_error_and_no_hang(kind, message, module):
     # the pools run with MINI_DIST_DEBUG=1: ranks that disagree are caught before any ring step and named
     with pytest.raises(RankFailure, match=message) as info:
-        run(3, reduce_mismatched, kind, timeout=30)
+        run(3, reduce_mismatched, kind, module, timeout=30)
     # every rank raised the same error (none blocked waiting for another): three failures, no silence
     failures = re.findall(r"rank \d failed: (\w+): ", str(info.value))
     assert len(failures) == 3 and len(set(failures)) == 1, str(info.value)
@@ -350,7 +354,7 @@ def collectives_issued(on):
     for name, fn in saved[1].items():
         setattr(dist, name, lambda *a, _name=name, _fn=fn, **k: issued.append(_name) or _fn(*a, **k))
     try:
-        ra.ring_all_reduce(torch.ones(10, device=device()))
+        rp.ring_all_reduce(torch.ones(10, device=device()))
     finally:
         debug.DEBUG = saved[0]
         for name, fn in saved[1].items():
@@ -377,7 +381,7 @@ def die_during_all_reduce(dead):
             os._exit(0)
         dist.isend = send_then_vanish
     with pipelined(2048, 2):  # 4000 B: two pieces at N = 2, so the peer still waits for the second one
-        ra.ring_all_reduce(torch.ones(1000, device=device()))
+        rp.ring_all_reduce(torch.ones(1000, device=device()))
 
 
 @pytest.mark.parametrize("world, dead", [(3, 2), (4, 1), (2, 0)])

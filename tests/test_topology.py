@@ -10,11 +10,11 @@ from hypothesis import given, settings, strategies as st
 
 from harness import RankFailure, device, rank_generator, run, subgroup
 from mini_dist import alpha_beta as ab
-from mini_dist import ring_pipelined as rp
+from mini_dist import ring_allreduce as ra
 from mini_dist import topology as topo
-from mini_dist.kit import debug, launch
+from mini_dist.kit import debug, launch, wire
 
-OPS = {"sum": topo.SUM, "avg": topo.AVG, "max": topo.MAX, "min": topo.MIN, "product": topo.PRODUCT}
+OPS = {"sum": ra.SUM, "avg": ra.AVG, "max": ra.MAX, "min": ra.MIN, "product": ra.PRODUCT}
 FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 INTS = [torch.int64, torch.int32, torch.int8]
 
@@ -140,13 +140,13 @@ def batches(algorithm, numel, G):
     seen, real, saved = [], dist.batch_isend_irecv, debug.DEBUG
     dist.batch_isend_irecv = lambda ops: seen.append([(op.op is dist.isend, op.group_peer, op.tensor.nbytes)
                                                       for op in ops]) or real(ops)
-    rp.LEDGER.reset()
+    wire.LEDGER.reset()
     debug.DEBUG = False
     try:
         topo.ALGORITHMS[algorithm](torch.ones(numel, device=device()), G, None)
     finally:
         dist.batch_isend_irecv, debug.DEBUG = real, saved
-    return seen, rp.LEDGER.sent
+    return seen, wire.LEDGER.sent
 
 
 @pytest.mark.parametrize("algorithm", ["recursive doubling", "halving-doubling"])
@@ -165,9 +165,9 @@ def slow_exchange(G, delay_s):
     buf = torch.zeros(1000, device=device())
     with topo.Links(G, delay_s=delay_s) as links:
         start = time.perf_counter()
-        rp.send_recv(buf if me == 0 else None, 1, buf if me == 1 else None, 0, None, "test")
+        wire.send_recv(buf if me == 0 else None, 1, buf if me == 1 else None, 0, None, "test")
         elapsed = time.perf_counter() - start
-    return links.sent, elapsed, rp.LEDGER.before_send
+    return links.sent, elapsed, wire.LEDGER.watchers
 
 
 @pytest.mark.parametrize("G, kind", [(1, "inter"), (2, "intra")])
@@ -176,7 +176,7 @@ def test_the_simulated_link_delays_only_sends_between_nodes_and_counts_their_byt
     assert results[0][0] == {"intra": 0, "inter": 0, kind: 4000} and results[1][0] == {"intra": 0, "inter": 0}
     if kind == "inter":
         assert results[0][1] >= 0.2  # the sender waited before the message left
-    assert [hook for _, _, hook in results] == [None, None]  # the ledger's hook restored
+    assert [watchers for _, _, watchers in results] == [[], []]  # the wire's watcher removed again
 
 
 def refuse(what):
@@ -184,7 +184,7 @@ def refuse(what):
     if what == "ranks_per_node":
         return topo.hierarchical_all_reduce(x, 2)
     if what == "avg_int":
-        return topo.recursive_doubling_all_reduce(x.long(), topo.AVG)
+        return topo.recursive_doubling_all_reduce(x.long(), ra.AVG)
     return topo.halving_doubling_all_reduce(x, dist.ReduceOp.BAND)
 
 

@@ -1,4 +1,4 @@
-"""Ring collectives (mini_dist.ring_allreduce) against gloo's own, and where the ring's time goes.
+"""Ring collectives (the library's: mini_dist.ring_pipelined) against gloo's own, and where the ring's time goes.
 
     ./run.sh bench 4 collectives        (and ./run.sh bench 2 collectives)
 
@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 
 from mini_dist import bench
-from mini_dist import ring_allreduce as ra
 from mini_dist import ring_pipelined
 from mini_dist.kit import debug, launch
 
@@ -70,10 +69,10 @@ def cases(numel: int, n: int):
     z = lambda k: torch.zeros(k, device=launch.device())  # noqa: E731
     x, y, full, shard, out = z(numel), z(numel), z(numel), z(numel // n), z(numel)
     return [
-        ("all_reduce", lambda: ra.ring_all_reduce(x), lambda: dist.all_reduce(y), 2 * (n - 1) / n),
-        ("reduce_scatter", lambda: ra.ring_reduce_scatter(shard, full),
+        ("all_reduce", lambda: ring_pipelined.ring_all_reduce(x), lambda: dist.all_reduce(y), 2 * (n - 1) / n),
+        ("reduce_scatter", lambda: ring_pipelined.ring_reduce_scatter(shard, full),
          lambda: dist.reduce_scatter_single(shard, full), (n - 1) / n),
-        ("all_gather", lambda: ra.ring_all_gather(out, shard), lambda: dist.all_gather_single(out, shard),
+        ("all_gather", lambda: ring_pipelined.ring_all_gather(out, shard), lambda: dist.all_gather_single(out, shard),
          (n - 1) / n),
     ]
 
@@ -140,7 +139,7 @@ def profile_row(numel: int) -> list[float]:
         dist.barrier()
         with profiled(spent):
             start = time.perf_counter()
-            ra.ring_all_reduce(x)
+            ring_pipelined.ring_all_reduce(x)
             total = time.perf_counter() - start
         mine = torch.tensor([total, spent["posting"], spent["waiting"], spent["reducing"]], dtype=torch.float64,
                             device=launch.device())
@@ -169,11 +168,11 @@ def debug_cost(n: int) -> list[bench.Result]:
         def with_debug():
             debug.DEBUG, saved = True, debug.DEBUG
             try:
-                ra.ring_all_reduce(x)
+                ring_pipelined.ring_all_reduce(x)
             finally:
                 debug.DEBUG = saved
         results.append(bench.compare(f"ring all_reduce {size_name(kib)}, MINI_DIST_DEBUG=1 vs off", with_debug,
-                                     lambda: ra.ring_all_reduce(x), REPEATS, None,
+                                     lambda: ring_pipelined.ring_all_reduce(x), REPEATS, None,
                                      note="the agreement check's price"))
     return results
 

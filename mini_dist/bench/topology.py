@@ -14,7 +14,7 @@ import torch.distributed as dist
 from mini_dist import bench
 from mini_dist.alpha_beta import link_bytes, predict, schedule
 from mini_dist.kit.launch import device
-from mini_dist.ring_allreduce import ring_all_reduce
+from mini_dist.ring_pipelined import ring_all_reduce
 from mini_dist.topology import Links, hierarchical_all_reduce
 
 G, DELAY_S, BANDWIDTH = 2, 300e-6, 100e6

@@ -1,10 +1,13 @@
 """The kit: what every concept module may import, and nothing else of mini_dist's below it.
 
     launch   torchrun's environment -> a process group with a timeout; the demo command line
+    wire     every message (send, receive, a batch of them), waited for, a lost peer named; the one byte
+             ledger that messages and collectives are counted in
     debug    ranks that disagree (named before the collective runs) or vanish (named by their peers)
     measure  bytes saved for backward, activations alive over a step, a step's peak
     timing   wall-clock time of a distributed call, slowest rank, with its noise
     models   the toy models and training steps that demos, tests and benchmarks share
+    references  a concept beside PyTorch or one process: attention vs SDPA, a pipeline step vs one process
     ranks    long-lived pools of ranks that run one function everywhere (tests, ./run.sh ask)
     weakly   a tensor hook that holds its owner (a DDP reducer, an FSDP wrapper) weakly
 

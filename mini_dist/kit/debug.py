@@ -16,10 +16,11 @@ torch's collectives: with MINI_DIST_DEBUG=1, every mini_dist collective first al
 raises a `Disagreement` naming both ranks, both shapes and the line that called. It costs one extra
 latency-bound collective per collective, so it is off by default, and then costs one `if`. (A pipeline
 agrees on its schedule once per step, always: a wrong microbatch count would otherwise hang.) The cure for
-the third is `wait_for`: a send or receive that fails says which peer it was talking to, so the chain of
-"look at rank X's log" leads to the rank that died first.
+the third is in the kit's wire (mini_dist/kit/wire.py): a send or receive that fails raises `PeerLost`,
+naming the peer it was talking to, so the chain of "look at rank X's log" leads to the rank that died first.
+`check_collective` is the ring collectives' guard: agreement (under debug) and input every rank refuses alike.
 
-    torchrun --standalone --nproc_per_node=3 mini_dist/debug.py      # the silent sum, then the named error
+    torchrun --standalone --nproc_per_node=3 mini_dist/kit/debug.py      # the silent sum, then the named error
 
 Mirrors TORCH_DISTRIBUTED_DEBUG=DETAIL (torch.distributed's collective fingerprints) and gloo's
 monitored_barrier, which names the ranks that never arrived.
@@ -34,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-if not __package__:  # run as `torchrun mini_dist/debug.py`: Python put mini_dist/ on the path, not the repo
+if not __package__:  # run as `torchrun mini_dist/kit/debug.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from mini_dist.kit import launch
 
@@ -51,9 +52,10 @@ class PeerLost(RuntimeError):
 
 def call_site() -> str:
     """Where the collective was asked for: the mini_dist layer or function that asked (the first frame
-    outside comm.py, this check and torch), and the user's line that called it (the first outside mini_dist)."""
+    outside comm.py, these checks and torch), and the user's line that called it (the first outside mini_dist)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mini_dist/, the kit included
-    comm_py, ours = {os.path.join(here, f) for f in ("comm.py", "collectives.py")}, (call_site.__code__, agree.__code__)
+    comm_py = {os.path.join(here, f) for f in ("comm.py", "collectives.py")}
+    ours = (call_site.__code__, agree.__code__, check_collective.__code__)
     frame, sites = sys._getframe(1), []
     while frame and len(sites) < 2:
         name = os.path.abspath(frame.f_code.co_filename)
@@ -84,16 +86,26 @@ def agree(operation: str, signature, group=None) -> None:
                                f"shapes to the same layers")
 
 
-def wait_for(work, peer: int, what: str) -> None:
-    """work.wait() for a send to / receive from global rank `peer`; if the peer vanished, name it."""
-    try:
-        work.wait()
-    except RuntimeError as e:  # gloo: "Connection reset by peer" or a timeout; NCCL: its own report
-        if TIMED_OUT.search(str(e)):  # alive but silent: most often it waits too, for this rank
-            raise PeerLost(f"{what}: waited for rank {peer} until the group's timeout ({str(e).splitlines()[0]}): "
-                           f"rank {peer} never posted the matching operation; is it waiting for this rank?") from e
-        raise PeerLost(f"{what}: lost rank {peer} ({str(e).splitlines()[0]}); look for the first error in "
-                       f"rank {peer}'s log: it died, was killed, or stopped answering") from e
+OPS = {dist.ReduceOp.SUM: "SUM", dist.ReduceOp.AVG: "AVG", dist.ReduceOp.MAX: "MAX", dist.ReduceOp.MIN: "MIN",
+       dist.ReduceOp.PRODUCT: "PRODUCT"}
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+          torch.int32, torch.int64, torch.bool]
+
+
+def check_collective(tensor: torch.Tensor, op, group, name: str, also: str = "") -> None:
+    """Ranks that disagree are named on every rank (debug mode); bad input shared by all fails on all."""
+    if DEBUG:  # (one more latency-bound collective per call: only under MINI_DIST_DEBUG=1)
+        agree(name, f"shape {tuple(tensor.shape)} dtype {tensor.dtype} op {OPS.get(op, op)} on "
+                    f"{tensor.device.type}{also}", group)
+    if op not in OPS:
+        raise ValueError(f"{name}: unsupported op {op}; use SUM, AVG, MAX, MIN or PRODUCT")
+    if tensor.dtype not in DTYPES:
+        raise ValueError(f"{name}: unsupported dtype {tensor.dtype}; use one of {DTYPES}")
+    if tensor.device.type != launch.device().type:
+        raise ValueError(f"{name}: a tensor on {tensor.device.type} cannot travel over "
+                         f"{dist.get_backend(group)}; create it on mini_dist.kit.launch.device()")
+    if op == dist.ReduceOp.AVG and not tensor.is_floating_point():
+        raise ValueError(f"{name}: AVG of {tensor.dtype} tensors would round; use SUM and divide")
 
 
 TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")  # gloo's words for a wait that outlived the group's timeout
@@ -189,7 +201,8 @@ def parser():
 def demo(args) -> int:
     world = launch.env_world_size()
     launch.require(world >= 2 and 0 <= args.bad_rank < world,
-                   f"--bad-rank {args.bad_rank} on {world} ranks: run on 2 or more ranks, with 0 <= --bad-rank < {world}")
+                   f"--bad-rank {args.bad_rank} on {world} ranks: run on 2 or more ranks, with 0 <= --bad-rank "
+                   f"< {world}")
     launch.setup()
     from mini_dist.kit import debug  # this module as the library sees it (run as a script, it is __main__)
     figure, holds = debug.dead_or_disagreeing(args.bad_rank)

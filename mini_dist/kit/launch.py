@@ -19,7 +19,7 @@ before any collective: rank 0 prints one line, every rank exits with status 2, n
 
 Demo (each rank says who it is, then one all-reduce of the ranks proves the group works):
 
-    torchrun --standalone --nproc_per_node=4 mini_dist/launch.py
+    torchrun --standalone --nproc_per_node=4 mini_dist/kit/launch.py
 """
 import argparse
 import atexit
