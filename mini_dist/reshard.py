@@ -233,7 +233,7 @@ def demo(args) -> int:
     from mini_dist.fsdp import FullyShardedDataParallel
     from mini_dist.kit.models import Block, block_stack, random_batch_steps, regression_step
     from mini_dist.tensor_parallel import ParallelMLP
-    from mini_dist.zero import ZeroOptimizer
+    from mini_dist.zero_optimizer import ZeroOptimizer
     env, w = launch.setup(), args.width
     x = [torch.randn(4, w, dtype=torch.float64, generator=torch.Generator().manual_seed(r)).to(env.device)
          for r in (env.rank, 0)]
