@@ -105,8 +105,9 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
 
     def _pre_backward(self, unit) -> None:
         """Before the unit's backward: dL/dx = dL/dy W needs the weights forward freed: gather them again."""
-        # exercise: gather the unit again, in backward order (the units that finished forward, reversed)
+        # exercise: gather the unit again, in backward order (the units that finished forward, reversed); attach views
         self._before_compute(unit, "backward", self._finished[::-1])
+        unit.attach_views()  # a checkpointed segment of the unit recomputes its forward now
         # end exercise
 
     def _reduce_scatter(self, unit, full: torch.Tensor) -> None:
@@ -160,6 +161,7 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
             unit.work = None
 
     def _free(self, unit, phase: str) -> None:
+        unit.attach_shards()  # the module holds this rank's slices again
         if unit.gathered:
             self._gather(unit, phase)  # a prefetch still in flight must land before its buffer goes
             unit.full.untyped_storage().resize_(0)

@@ -20,6 +20,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -405,6 +406,41 @@ def test_the_module_holds_its_parameters_as_shard_slices_the_optimizer_steps_wit
         assert sorted(name for name, *_ in checked) == native_names  # the original names, each once
         for name, same_shape, is_slice, in_shard, same_value, grad_diff in checked:
             assert same_shape and is_slice and in_shard and same_value and grad_diff <= tol, (rank, name)
+
+
+class CheckpointedBlock(Block):
+    """A Block whose forward is recomputed in backward (torch.utils.checkpoint): its Linears run again while
+    the unit's backward runs, so they must hold the gathered weights then too."""
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
+
+
+def checkpointed_units_against_fully_shard(width, hidden, reshard):
+    data = batches(width, seed=width, dtype=torch.float64)
+    trained = []
+    for kind in ("ours", "native"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(width, width), *[CheckpointedBlock(width, h, device()) for h in hidden],
+                              nn.Linear(width, width)).to(device(), torch.float64)
+        if kind == "ours":
+            model = FSDP(model, wrap=CheckpointedBlock, reshard_after_forward=reshard)
+        else:
+            model = native_fully_shard(model, [True] * len(hidden), reshard)
+        trained.append((train(model, make_optimizer("adam", model.parameters()), data), model))
+    (our_losses, ours), (native_losses, native) = trained
+    native_state = {n: p.full_tensor() for n, p in native.named_parameters()}
+    return our_losses, native_losses, max_diff(ours.state_dict(), native_state)
+
+
+@settings(max_examples=6)
+@given(world=st.integers(1, 5), width=st.integers(1, 6), hidden=st.lists(st.integers(1, 7), min_size=1, max_size=3),
+       reshard=st.booleans())
+def test_a_unit_recomputed_in_backward_by_activation_checkpointing_trains_like_fully_shard(world, width, hidden,
+                                                                                          reshard):
+    tol = 0.0 if world <= 2 else FP64_ATOL
+    for ours, native, diff in run(world, checkpointed_units_against_fully_shard, width, tuple(hidden), reshard):
+        assert max(abs(a - b) for a, b in zip(ours, native)) <= tol and diff <= tol
 
 
 # ----- parameters left out of sharding (ignored_params): whole on every rank, gradients averaged
