@@ -95,10 +95,10 @@ def module_layout(module, group=None) -> dict:
 
 
 def fsdp_layout(model) -> dict:
-    """The same for mini_dist.fsdp: each parameter is this rank's 1-D slice [start, stop) of the flattened one."""
-    params = dict(model.named_parameters())
-    return {n: (params[n], lambda t, s=s: flat_shard(t, s.shape, s.start))
-            for n, (_, s) in model.sharded_state_dict().items()}
+    """The same for mini_dist.fsdp: each parameter is this rank's 1-D slice [start, stop) of the flattened one,
+    but for those left out of sharding (ignored_params): whole, replicated."""
+    cuts = {n: lambda t, s=s: flat_shard(t, s.shape, s.start) for n, (_, s) in model.sharded_state_dict().items()}
+    return {n: (p, cuts.get(n, lambda t: t)) for n, p in model.named_parameters()}
 
 
 def module_state(layout: dict, optimizer=None) -> dict:

@@ -167,3 +167,21 @@ def test_a_state_dict_that_does_not_fit_is_one_clear_error_on_every_rank(case, m
     with pytest.raises(RankFailure, match=message) as info:
         run(3, load_badly, case)
     assert all(f"rank {r} failed" in str(info.value) for r in range(3))  # everyone raised the same error
+
+
+def checkpoint_layout():
+    from mini_dist.reshard import fsdp_layout
+    model = build(seed=1)
+    norm_like = [model[1].up.bias, model[4].bias]  # two parameters left whole
+    ours = FSDP(model, wrap=Block, ignored_params=set(norm_like))
+    layout = fsdp_layout(ours)
+    whole = [isinstance(layout[n][1](p.detach()), torch.Tensor) == any(p is q for q in norm_like)
+             for n, p in ours.named_parameters()]  # a plain tensor is replicated; a slice becomes boxes
+    return list(layout) == [n for n, _ in model.named_parameters()], whole
+
+
+def test_a_checkpoint_of_fsdp_holds_every_parameter_the_ones_left_whole_replicated():
+    """reshard.fsdp_layout, what checkpoints save FSDP through: sharded parameters as boxes of their slice,
+    ignored ones as whole tensors (replicated: rank 0 writes them), none left out."""
+    for names, whole in run(2, checkpoint_layout):
+        assert names and all(whole)
