@@ -151,9 +151,9 @@ def load_badly(case):
     elif case == "missing on rank 1 only" and dist.get_rank() == 1:
         state.pop("3.down.bias")
     elif case == "unexpected":
-        state["extra"] = torch.zeros(1)
+        state["extra"] = torch.zeros(1, device=device())
     elif case == "misshapen":
-        state["1.up.weight"] = torch.zeros(5, WIDTH + 1, dtype=torch.float64)
+        state["1.up.weight"] = torch.zeros(5, WIDTH + 1, dtype=torch.float64, device=device())
     ours.load_state_dict(state)
 
 
