@@ -393,12 +393,15 @@ def named_slices_and_native_grads(width, hidden, mask, tied):
     return checked, sorted(full), same
 
 
+@pytest.mark.exercise
 @settings(max_examples=10)
 @given(world=st.integers(1, 5), model=models, tied=st.booleans())
 def test_the_module_holds_its_parameters_as_shard_slices_the_optimizer_steps_with_native_fully_shards_grads(
         world, model, tied):
-    """model.module.named_parameters(), model.named_parameters(), the submodules' attributes and the
-    optimizer's parameters are the same tensors, in the module's order: this rank's slices, with .grad."""
+    """the module, the wrapper and the optimizer hold the same parameters: this rank's slices, with .grad
+
+    model.module.named_parameters(), model.named_parameters(), the submodules' attributes and the optimizer's
+    parameters are the same tensors, in the module's order."""
     tol = 0.0 if world <= 2 else FP64_ATOL  # two averaged gradients: the sums of the file's header
     results = run(world, named_slices_and_native_grads, *model, tied)
     for rank, (checked, native_names, same) in enumerate(results):
@@ -433,6 +436,7 @@ def checkpointed_units_against_fully_shard(width, hidden, reshard):
     return our_losses, native_losses, max_diff(ours.state_dict(), native_state)
 
 
+@pytest.mark.exercise
 @settings(max_examples=6)
 @given(world=st.integers(1, 5), width=st.integers(1, 6), hidden=st.lists(st.integers(1, 7), min_size=1, max_size=3),
        reshard=st.booleans())
