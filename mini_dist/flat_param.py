@@ -18,8 +18,9 @@ A unit is a module (by default each child of the wrapped one; the root takes wha
 belongs to the innermost unit around it. Parameters left out of sharding (torch's ignored_params) stay
 whole in their modules, untouched here.
 
-Used by mini_dist/fsdp.py, which decides when to gather and free, one unit at a time; the way back to
-whole tensors (state dicts): mini_dist/fsdp_state.py. Mirrors torch.distributed.fsdp._flat_param.FlatParameter
+Used by mini_dist/fsdp.py, which decides when to gather and free, one unit at a time, and records each
+collective in a Ledger (bytes sent, bytes gathered; read by fsdp_ledger.py); the way back to whole tensors
+(state dicts): mini_dist/fsdp_state.py. Mirrors torch.distributed.fsdp._flat_param.FlatParameter
 (FSDP1).
 
 Demo (each rank's slices of a small model, the padding, the module's own parameters before and after a gather):

@@ -172,7 +172,8 @@ def _agree(params: list, stage: int, collectives: str, model: tuple, group) -> N
         if problem:
             raise ValueError(f"rank {r}: {problem}")
         if tuple(theirs) != everyone[0][1:]:
-            (n0, p0, s0, g0), (n, p, s, g) = everyone[0][1:], theirs
+            n0, p0, s0, g0 = everyone[0][1:]
+            n, p, s, g = theirs
             raise ValueError(f"ranks disagree: rank 0 has {n0} elements in {p0} parameters (stage {s0}, "
                              f"groups {g0}), rank {r} has {n} in {p} (stage {s}, groups {g}); pass the "
                              f"same model, groups and stage")
