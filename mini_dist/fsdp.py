@@ -52,12 +52,11 @@ from mini_dist.kit import debug, launch, models, timing, weakly
 
 
 class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
-    """Wrap `module`. `wrap` names the units: None (each child of `module`), module classes, submodules,
-    or a dict from those to the unit's own param_dtype. The root unit keeps the parameters left over, but
-    for `ignored_params`, which stay whole."""
+    """Wrap `module`. `wrap` names the units: None (each child), module classes, submodules, or a dict from
+    those to a unit's param_dtype. The root unit keeps what is left, but `ignored_params`, which stay whole."""
 
     def __init__(self, module: nn.Module, wrap=None, group=None, reshard_after_forward: bool = True,
-                 prefetch: bool = True, param_dtype: torch.dtype | None = None, ignored_params=()):
+                 prefetch: bool = True, param_dtype: torch.dtype | None = None, ignored_params=None):
         super().__init__()
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -69,9 +68,10 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
         self.prefetch = prefetch
         self.ledger = flat_param.Ledger()
         self._finished = []
+        left_out = set(ignored_params or ())  # torch's ignored_params (a set, or None)
         units = flat_param.pick_units(module, wrap, param_dtype)
-        self.units, modules, initial = flat_param.flatten_units(module, units, self.rank, self.world, ignored_params)
-        self.ignored = [p for p in module.parameters() if p in set(ignored_params)]  # whole, in the module's order
+        self.units, modules, initial = flat_param.flatten_units(module, units, self.rank, self.world, left_out)
+        self.ignored = [p for p in module.parameters() if p in left_out]  # whole, in the module's order
         # rank 0's values win, as in DDP: its shards are scattered, the parameters left whole broadcast
         fsdp_state.load_full_state_dict(self.units, initial if self.rank == 0 else None, group, self.ignored)
         for unit, m in zip(self.units, modules):

@@ -1,5 +1,6 @@
 """FSDP against PyTorch: native fully_shard (FSDP2) and one process on the full batch; collectives counted
-per unit, bytes checked against the ring module's measured ledger, gathered-parameter peaks exact.
+per unit, bytes checked against the ring module's measured ledger, gathered-parameter peaks exact; the
+module holds the optimizer's slices under its own names; ignored_params stay whole with averaged gradients.
 
 Tolerances. With K <= 2 ranks every gradient average is a sum of at most two numbers, and a + b == b + a
 bit for bit: our flat layout and FSDP2's per-parameter layout then give identical results, so we demand
