@@ -30,7 +30,8 @@ if not __package__:  # run as `torchrun mini_dist/fsdp_ledger.py`: Python put mi
 from mini_dist.ddp import DistributedDataParallel
 from mini_dist.fsdp import FullyShardedDataParallel
 from mini_dist.kit import launch, models
-from mini_dist.ring_allreduce import LEDGER, ring_all_reduce
+from mini_dist.kit.wire import LEDGER
+from mini_dist.ring_pipelined import ring_all_reduce
 
 
 def trained(width: int = 8, hidden: int = 32, depth: int = 3, steps: int = 2, **options):
@@ -38,7 +39,8 @@ def trained(width: int = 8, hidden: int = 32, depth: int = 3, steps: int = 2, **
     zero_grad first: the ledger holds the last step, whose gradients are still there. -> (model, adam)"""
     model = FullyShardedDataParallel(models.block_stack(width, hidden, depth, torch.float32, launch.device()),
                                      wrap=models.Block, **options)
-    adam, g = torch.optim.Adam(model.parameters(), lr=1e-3), torch.Generator().manual_seed(dist.get_rank())
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(dist.get_rank())
     x, y = (torch.randn(4, width, generator=g).to(launch.device()) for _ in "xy")
     for _ in range(steps):
         model.ledger.reset()
@@ -96,10 +98,13 @@ def traffic_vs_ddp() -> tuple[str, bool]:
     """FSDP sends 3(K-1)/K of the weights' bytes per step, 1.5x DDP's 2(K-1)/K: the second all-gather.
     Collective: every rank of the default group calls it."""
     K = dist.get_world_size()
-    sharded, kept = trained()[0], trained(reshard_after_forward=False)[0]
+    sharded = trained()[0]
+    kept = trained(reshard_after_forward=False)[0]
     plain = models.block_stack(8, 32, 3, torch.float32, launch.device())  # the same model, bare, under DDP
-    D, ddp_sent = sum(p.nbytes for p in plain.parameters()), _ddp_sent(plain)
-    fsdp_sent, kept_sent = _sum(sharded.ledger.sent) / K, _sum(kept.ledger.sent) / K
+    D = sum(p.nbytes for p in plain.parameters())
+    ddp_sent = _ddp_sent(plain)
+    fsdp_sent = _sum(sharded.ledger.sent) / K
+    kept_sent = _sum(kept.ledger.sent) / K
     return (f"per rank per step, D = {D:,} B of fp32 weights: DDP's ring all-reduce {ddp_sent:,.0f} B = "
             f"2(K-1)/K D; FSDP {fsdp_sent:,.0f} B = 3(K-1)/K D (gather for forward, gather again for backward, "
             f"reduce-scatter): {fsdp_sent / max(ddp_sent, 1):.2f}x; keeping the weights after forward: "
@@ -119,7 +124,9 @@ def parser():
 
 def demo(args) -> int:
     launch.require(args.depth >= 2 and args.width >= 1, "--depth must be at least 2, --width at least 1")
-    K, w, exact = launch.setup().world_size, args.width, True
+    K = launch.setup().world_size
+    w = args.width
+    exact = True
     kinds = {"FSDP naive": dict(prefetch=False), "FSDP prefetch": {}, "FSDP kept": dict(reshard_after_forward=False)}
     rows = {k: trained(w, 4 * w, args.depth, **o) for k, o in kinds.items()}
     ddp = models.block_stack(w, 4 * w, args.depth, torch.float32, launch.device())
@@ -129,7 +136,9 @@ def demo(args) -> int:
     memory = {"DDP": memory_per_rank(ddp, adam)} | {k: memory_per_rank(*r) for k, r in rows.items()}
     sent |= {k: _sum(m.ledger.sent) / K for k, (m, _) in rows.items()}
     units = rows["FSDP naive"][0].units
-    N, S, full = sum(u.numel for u in units), sum(u.shard_numel for u in units), [u.full.nbytes for u in units]
+    N = sum(u.numel for u in units)
+    S = sum(u.shard_numel for u in units)  # N'/K: my padded shards
+    full = [u.full.nbytes for u in units]
     mine = sum(p.numel() for p in rows["FSDP naive"][0].parameters())  # my shard's real elements
     want = {"DDP": [4 * N, 4 * N, 8 * N, 0]}
     peaks = {"FSDP naive": full[0] + max(full[1:]), "FSDP kept": sum(full),

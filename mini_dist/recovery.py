@@ -39,7 +39,7 @@ from mini_dist.fsdp import FullyShardedDataParallel
 from mini_dist.reshard import fsdp_layout, load_module_state, load_zero_state, module_state, zero_state
 from mini_dist.kit.models import mlp, random_batch_steps
 from mini_dist.sharded_state import consolidated_state_dict
-from mini_dist.zero import ZeroOptimizer
+from mini_dist.zero_optimizer import ZeroOptimizer
 
 
 class ResumableSampler:

@@ -95,10 +95,10 @@ def module_layout(module, group=None) -> dict:
 
 
 def fsdp_layout(model) -> dict:
-    """The same for mini_dist.fsdp: each parameter is this rank's 1-D slice [start, stop) of the flattened one."""
-    params = dict(model.named_parameters())
-    return {n: (params[n], lambda t, s=s: flat_shard(t, s.shape, s.start))
-            for n, (_, s) in model.sharded_state_dict().items()}
+    """The same for mini_dist.fsdp: each parameter is this rank's 1-D slice [start, stop) of the flattened one,
+    but for those left out of sharding (ignored_params): whole, replicated."""
+    cuts = {n: lambda t, s=s: flat_shard(t, s.shape, s.start) for n, (_, s) in model.sharded_state_dict().items()}
+    return {n: (p, cuts.get(n, lambda t: t)) for n, p in model.named_parameters()}
 
 
 def module_state(layout: dict, optimizer=None) -> dict:
@@ -233,7 +233,7 @@ def demo(args) -> int:
     from mini_dist.fsdp import FullyShardedDataParallel
     from mini_dist.kit.models import Block, block_stack, random_batch_steps, regression_step
     from mini_dist.tensor_parallel import ParallelMLP
-    from mini_dist.zero import ZeroOptimizer
+    from mini_dist.zero_optimizer import ZeroOptimizer
     env, w = launch.setup(), args.width
     x = [torch.randn(4, w, dtype=torch.float64, generator=torch.Generator().manual_seed(r)).to(env.device)
          for r in (env.rank, 0)]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 if not __package__:  # run as `torchrun mini_dist/sharded_state.py`: Python put mini_dist/ on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.kit import launch, models
-from mini_dist.zero import ZeroOptimizer, copy_settings, settings
+from mini_dist.zero_optimizer import ZeroOptimizer, copy_settings, settings
 
 
 def per_element(value) -> bool:

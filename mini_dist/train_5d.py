@@ -8,7 +8,7 @@ then data parallelism over the dp x cp ranks, which hold the same weights and sa
 
     --zero 0   DDP (mini_dist/ddp.py), inside the pipeline: every backward of a chunk but its last runs under
                no_sync, so the M microbatches' gradients are reduced once, during that last backward
-    --zero 1|2 ZeroOptimizer (mini_dist/zero.py): optimizer state (and gradients) sharded dp x cp ways
+    --zero 1|2 ZeroOptimizer (mini_dist/zero_optimizer.py): optimizer state (and gradients) sharded dp x cp ways
     --zero 3   FSDP (mini_dist/fsdp.py), a unit per layer: gathered for each forward and each backward
 
 Experts (ep > 1) live on the dp*cp/ep ranks that hold the same ones: ZeroOptimizer over that group, their
@@ -50,7 +50,7 @@ from mini_dist.pipeline_schedules import SCHEDULES
 from mini_dist.pipeline_stages import balanced_split, pipeline_chunks
 from mini_dist.ring_pipelined import ring_all_reduce
 from mini_dist.vocab_parallel import vocab_parallel_cross_entropy
-from mini_dist.zero import ZeroOptimizer
+from mini_dist.zero_optimizer import ZeroOptimizer
 from mini_dist.zero_ledger import memory_ledger
 
 DP_BUCKET_MB = 1 / 32  # 32 KiB: a few buckets per stage of the tiny GPT

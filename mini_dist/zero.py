@@ -2,20 +2,29 @@
 gradient (stage 2) of only its 1/K of the parameters, and all ranks still take the same step as DDP.
 
 Flatten the parameters into one vector, pad it to Psi = K*S elements, and give rank r the shard
-[r*S, (r+1)*S) (Rajbhandari et al., 2020). One step:
+[r*S, (r+1)*S) (Rajbhandari et al., 2020):
+
+    flat    = [p_0 | p_1 | ... | p_n-1 | 0 padding]     K*S elements, S = ceil(N / K)
+    shard r = flat[r*S : (r+1)*S]                       the only part rank r steps (and, in FSDP, stores)
+
+Padding keeps the shards equal, which all-gather and reduce-scatter need; a parameter may fall into one
+shard or be split between several. One step:
 
     ZeRO-1    all-reduce the gradient -> step my shard (Adam state for it alone) -> all-gather the shards
     ZeRO-2    reduce-scatter the gradient (rank r receives the mean of shard r only) -> step -> all-gather
 
 fp32 Adam: 16N bytes per rank for DDP, 8N + 8N/K for ZeRO-1, 4N + 12N/K for ZeRO-2, and ZeRO-2 sends
-exactly what DDP sends (mini_dist/zero_ledger.py measures both). Checkpoints: mini_dist/sharded_state.py.
+exactly what DDP sends (mini_dist/zero_ledger.py measures both). The same layout, unit by unit, is how
+FSDP stores parameters (mini_dist/flat_param.py); ZeroOptimizer (mini_dist/zero_optimizer.py) wraps
+these steps as a torch.optim.Optimizer; checkpoints: mini_dist/sharded_state.py.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/zero.py [--steps 3] [--widths 19 60 60]
 
-Mirrors torch.distributed.optim.ZeroRedundancyOptimizer (stage 1, sharded by whole parameters) and
-DeepSpeed's ZeRO stages 1 and 2 (flat, padded, equal shards, as here).
+Mirrors DeepSpeed's ZeRO stages 1 and 2 (flat, padded, equal shards, as here);
+torch.distributed.optim.ZeroRedundancyOptimizer is stage 1 sharded by whole parameters.
 """
 import sys
+from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,9 +34,74 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/zero.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.flat_param import Partition, flatten_into_buffer
 from mini_dist.kit import launch, models
 from mini_dist.ring_pipelined import ring_all_gather, ring_reduce_scatter
+
+
+# ----------------------------------------------------------------------------- the layout
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Where each parameter sits in the flat vector, and which slice [lo, hi) of it each rank owns."""
+    names: tuple
+    shapes: tuple
+    world_size: int
+
+    @property
+    def spans(self) -> list:
+        """[a, b) of each parameter in the flat vector."""
+        ends = list(accumulate(s.numel() for s in self.shapes))
+        return [(end - s.numel(), end) for end, s in zip(ends, self.shapes)]
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel() for s in self.shapes)
+
+    @property
+    def shard_size(self) -> int:
+        return -(-self.numel // self.world_size)  # S = ceil(N / K)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.world_size * self.shard_size  # Psi: at most K-1 zeros of padding at the end
+
+    def shard(self, rank: int) -> tuple:
+        return rank * self.shard_size, (rank + 1) * self.shard_size
+
+    def owned(self, rank: int) -> list:
+        """Each parameter's span clamped to rank's shard, [a, b) in the flat vector (a == b: none of it)."""
+        lo, hi = self.shard(rank)
+        return [(min(max(a, lo), hi), min(max(b, lo), hi)) for a, b in self.spans]
+
+    def pieces(self, rank: int) -> list:
+        """(name, start, stop) of every parameter slice that falls into rank's shard, in its own elements."""
+        return [(n, a - span[0], b - span[0])
+                for n, span, (a, b) in zip(self.names, self.spans, self.owned(rank)) if b > a]
+
+    def __str__(self) -> str:
+        pad = self.padded_numel - self.numel
+        lines = [f"partition of N = {self.numel:,} elements over K = {self.world_size} ranks: "
+                 f"shard S = {self.shard_size:,}, padding {pad}"]
+        for r in range(self.world_size):
+            lo, hi = self.shard(r)
+            tail = f" + {min(pad, hi - lo)} padding" if hi > self.numel else ""
+            parts = " ".join(f"{n}[{a}:{b}]" for n, a, b in self.pieces(r))
+            lines.append(f"  rank {r}: [{lo:,}, {hi:,}) {parts}{tail}")
+        return "\n".join(lines)
+
+
+def flatten_into_buffer(params: list, partition: Partition) -> torch.Tensor:
+    """One padded flat vector; each parameter becomes a view of it: writing the vector updates the model."""
+    flat = torch.zeros(partition.padded_numel, dtype=params[0].dtype, device=params[0].device)
+    for p, (a, b) in zip(params, partition.spans):
+        flat[a:b].copy_(p.detach().reshape(-1))
+        p.data = flat[a:b].view_as(p)
+    return flat
+
+
+# ----------------------------------------------------------------------------- the step
+
 
 def zero1_step(flat: torch.Tensor, grad: torch.Tensor, step_shard, group=None, collectives: str = "native"):
     """One ZeRO-1 step. flat: the parameters as one vector of K*S elements, the same on every rank; grad:
@@ -35,7 +109,8 @@ def zero1_step(flat: torch.Tensor, grad: torch.Tensor, step_shard, group=None, c
     in place, keeping optimizer state for them alone. Returns the mean gradient, whole (as DDP keeps it)."""
     # exercise: all-reduce grad, step_shard(my slice [r*S, (r+1)*S) of flat, of grad), all-gather the slices
     c = COLLECTIVES[collectives]
-    K, r = dist.get_world_size(group), dist.get_rank(group)
+    K = dist.get_world_size(group)
+    r = dist.get_rank(group)
     S = flat.numel() // K
     mine = slice(r * S, (r + 1) * S)
     c.all_reduce(grad, group)              # (K*S,) the sum of the ranks' grad / K: the mean gradient
@@ -49,7 +124,8 @@ def zero2_step(flat: torch.Tensor, grad: torch.Tensor, step_shard, group=None, c
     """ZeRO-2: the same step with a reduce-scatter for the all-reduce. Rank r receives the mean of its own
     shard only, so no rank ever holds the whole mean gradient. Returns that shard."""
     c = COLLECTIVES[collectives]
-    K, r = dist.get_world_size(group), dist.get_rank(group)
+    K = dist.get_world_size(group)
+    r = dist.get_rank(group)
     S = flat.numel() // K
     shard = c.reduce_scatter(grad, group)  # (S,) the mean of my shard; half an all-reduce's bytes
     step_shard(flat[r * S:(r + 1) * S], shard)
@@ -62,6 +138,10 @@ def zero2_step(flat: torch.Tensor, grad: torch.Tensor, step_shard, group=None, c
 
 def _my_shard(flat: torch.Tensor, group) -> torch.Tensor:  # (S,) a view of slice r of the K*S elements
     return flat.chunk(dist.get_world_size(group))[dist.get_rank(group)]
+
+
+def _native_all_reduce(grad: torch.Tensor, group) -> None:
+    dist.all_reduce(grad, group=group)
 
 
 def _native_reduce_scatter(grad: torch.Tensor, group) -> torch.Tensor:
@@ -99,162 +179,13 @@ def _ring_all_reduce(grad: torch.Tensor, group) -> None:  # reduce-scatter + all
 
 
 COLLECTIVES = {  # "ring": mini_dist/ring_pipelined.py, every byte counted in the kit's wire LEDGER
-    "native": SimpleNamespace(all_reduce=lambda grad, group: dist.all_reduce(grad, group=group),
-                              reduce_scatter=_native_reduce_scatter, all_gather=_native_all_gather),
+    "native": SimpleNamespace(all_reduce=_native_all_reduce, reduce_scatter=_native_reduce_scatter,
+                              all_gather=_native_all_gather),
     "ring": SimpleNamespace(all_reduce=_ring_all_reduce, reduce_scatter=_ring_reduce_scatter,
                             all_gather=_ring_all_gather)}
 
 
-# ----------------------------------------------------------------------------- the optimizer
-
-
-def settings(group: dict) -> dict:
-    """A param group's settings (lr, betas, ...): everything but the parameters themselves."""
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
-
-
-def copy_settings(src: list, dst: list) -> None:
-    for s, d in zip(src, dst):
-        d.update(settings(s))
-
-
-class ZeroOptimizer(torch.optim.Optimizer):
-    """Any element-wise torch.optim optimizer (SGD, Adam, AdamW, ...), sharded: stage 0 = plain data
-    parallel, 1 shards its state (zero1_step), 2 also the gradients (zero2_step). A torch.optim.Optimizer
-    itself: parameter groups and LR schedulers work, as with ZeroRedundancyOptimizer.
-
-    The parameters that require grad (one dtype and device) become views of one flat padded vector, group
-    after group: each rank's shard is one slice of it, and the updated shards are gathered straight into
-    the model. Replacing a parameter's .data later (model.to(...)) would detach it, so step() refuses it.
-    Half-precision parameters get an fp32 master copy of the own shard, which the optimizer steps. A
-    missing gradient counts as zeros. collectives: "native" (torch.distributed) or "ring". Wrap the bare
-    model, not a DDP one. Stage 2 frees the full gradients once backward has made them all (real ZeRO-2
-    reduce-scatters bucket by bucket during backward).
-    """
-
-    def __init__(self, params, optimizer_class, stage: int = 1, group=None, collectives: str = "native",
-                 **defaults):
-        super().__init__(params, defaults)
-        if dist.get_rank(group) < 0:
-            raise ValueError("this rank is not in `group`: create the ZeroOptimizer only on its ranks")
-        self.stage, self.group, self.collectives = stage, group, collectives
-        self.rank, world = dist.get_rank(group), dist.get_world_size(group)
-        named = [(n, p) for g in self.param_groups
-                 for n, p in zip(g.get("param_names") or [None] * len(g["params"]), g["params"])]
-        named = [(n or f"p{i}", p) for i, (n, p) in enumerate(named) if p.requires_grad]
-        self.params = [p for _, p in named]
-        sizes = [sum(p.numel() for p in g["params"] if p.requires_grad) for g in self.param_groups]
-        _agree(self.params, stage, collectives, (sum(sizes), len(named), stage, sizes), group)
-        self.partition = Partition(tuple(n for n, _ in named), tuple(p.shape for p in self.params), world)
-        self.span = dict(zip(self.params, self.partition.spans))
-        self.flat = flatten_into_buffer(self.params, self.partition)
-        self.lo, self.hi = (0, self.partition.padded_numel) if stage == 0 else self.partition.shard(self.rank)
-        own = self.flat[self.lo:self.hi]
-        self.has_master = own.dtype in (torch.float16, torch.bfloat16)  # fp32 master weights of the shard
-        self.master = own.float() if self.has_master else own
-        # Each group is one stretch of the flat vector (the padding joins the last): its part of my shard
-        # is one slice, which the inner optimizer steps with the group's settings.
-        ends = [*accumulate(sizes)][:-1] + [self.partition.padded_numel]
-        clip = lambda x: min(max(x, self.lo), self.hi) - self.lo
-        self.ranges = [(clip(a), clip(b)) for a, b in zip([0] + ends[:-1], ends)]
-        self.slices = [self.master[a:b] for a, b in self.ranges]
-        self.optimizer = optimizer_class([{**settings(g), "params": [s]} for g, s in zip(self.param_groups,
-                                                                                        self.slices)], **defaults)
-        self.defaults.update(self.optimizer.defaults)  # the inner optimizer's defaults: schedulers read them
-        copy_settings(self.optimizer.param_groups, self.param_groups)
-        self.grad = None  # the mean gradient kept after a step: whole (stages 0, 1) or my shard (2)
-
-    def add_param_group(self, param_group: dict) -> None:
-        if hasattr(self, "partition"):  # torch.optim.Optimizer's constructor calls this for every group
-            raise RuntimeError("ZeroOptimizer cannot add a param group after construction: every rank's "
-                               "shard would move; build a new ZeroOptimizer over all the groups")
-        super().add_param_group(param_group)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        self.grad = None
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grad = self._flat_gradient()
-        if self.stage == 0:  # DDP: every rank steps every element
-            COLLECTIVES[self.collectives].all_reduce(grad, self.group)
-            self._step_own(self.flat, grad)
-        elif self.stage == 1:
-            zero1_step(self.flat, grad, self._step_own, self.group, self.collectives)
-        else:
-            self.grad = zero2_step(self.flat, grad, self._step_own, self.group, self.collectives)
-        for p, (a, b) in zip(self.params, self.partition.spans):  # ZeRO-2 keeps no full gradient
-            p.grad = grad[a:b].view_as(p) if self.stage < 2 else None
-        if self.stage < 2:
-            self.grad = grad[self.lo:self.hi]
-        return loss
-
-    def _flat_gradient(self) -> torch.Tensor:
-        """This rank's gradients side by side in one padded vector, divided by K on the way in as DDP does
-        (a sum of K gradients then cannot overflow); a missing gradient counts as zeros."""
-        grad = torch.empty_like(self.flat)  # every element written below: no separate pass of zeros
-        grad[self.partition.numel:].zero_()  # the padding
-        for name, p, (a, b) in zip(self.partition.names, self.params, self.partition.spans):
-            if p.untyped_storage().data_ptr() != self.flat.untyped_storage().data_ptr():
-                raise RuntimeError(f"parameter {name}'s .data was replaced after the ZeroOptimizer was built: "
-                                   f"it no longer lives in the flat vector that the optimizer steps; cast or "
-                                   f"move the model first, then build the optimizer")
-            if p.grad is None:
-                grad[a:b].zero_()
-            else:
-                torch.mul(p.grad.reshape(-1), 1.0 / self.partition.world_size, out=grad[a:b])
-        return grad
-
-    def _step_own(self, own: torch.Tensor, grad: torch.Tensor) -> None:
-        """The inner optimizer steps my slice `own` of the flat vector with `grad`, my slice of the mean."""
-        grad = grad.to(self.master.dtype)  # a copy only for half params (fp32 master)
-        for s, (a, b) in zip(self.slices, self.ranges):
-            s.grad = grad[a:b]
-        copy_settings(self.param_groups, self.optimizer.param_groups)  # an LR scheduler's changes
-        self.optimizer.step()
-        copy_settings(self.optimizer.param_groups, self.param_groups)
-        for s in self.slices:
-            s.grad = None
-        if self.has_master:
-            own.copy_(self.master)
-
-    def state_dict(self):  # torch.optim's would hold none of the shards' state: say where it is instead
-        raise RuntimeError(SHARDED)
-
-    def load_state_dict(self, state_dict) -> None:
-        raise RuntimeError(SHARDED)
-
-
-SHARDED = ("a ZeroOptimizer's state is sharded over the ranks: mini_dist.sharded_state's consolidated_state_dict"
-           "(optimizer, to) and load_consolidated_state_dict(optimizer, state, src) gather it and cut it again")
-
-
-def _agree(params: list, stage: int, collectives: str, model: tuple, group) -> None:
-    """Every rank learns every rank's problems and model size first, so all raise together and none hangs."""
-    problem = (f"stage must be 0 (DDP), 1 (shard optimizer state) or 2 (also gradients), got {stage}"
-               if stage not in (0, 1, 2) else f"collectives must be 'native' or 'ring', got {collectives!r}"
-               if collectives not in COLLECTIVES else f"need parameters that require grad, all of one dtype and "
-               f"device; got {sorted({f'{p.dtype}/{p.device}' for p in params})}"
-               if not params or len({(p.dtype, p.device) for p in params}) > 1 else None)
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (problem, *model), group=group)
-    for r, (problem, *theirs) in enumerate(everyone):
-        if problem:
-            raise ValueError(f"rank {r}: {problem}")
-        if tuple(theirs) != everyone[0][1:]:
-            (n0, p0, s0, g0), (n, p, s, g) = everyone[0][1:], theirs
-            raise ValueError(f"ranks disagree: rank 0 has {n0} elements in {p0} parameters (stage {s0}, "
-                             f"groups {g0}), rank {r} has {n} in {p} (stage {s}, groups {g}); pass the "
-                             f"same model, groups and stage")
-
-
 # ----------------------------------------------------------------------------- demo
-
 
 def parser():
     p = launch.demo_parser(__doc__)
@@ -264,34 +195,54 @@ def parser():
     return p
 
 
+def sharded_adam(stage: int, widths: list, steps: int):
+    """An MLP trained by zero1_step or zero2_step, torch.optim.Adam over my shard alone, on the batches of
+    models.random_batch_steps. -> (model, Adam, partition, the last step's mean gradient)"""
+    model = models.mlp(widths, torch.float64)
+    named = list(model.named_parameters())
+    partition = Partition(tuple(n for n, _ in named), tuple(p.shape for _, p in named), dist.get_world_size())
+    flat = flatten_into_buffer([p for _, p in named], partition)
+    lo, hi = partition.shard(dist.get_rank())
+    shard = flat[lo:hi]  # the tensor Adam steps: my S elements of flat
+    adam = torch.optim.Adam([shard], lr=1e-2)
+    means = []
+
+    def step_shard(own: torch.Tensor, own_grad: torch.Tensor) -> None:  # own: the same S elements as shard
+        shard.grad = own_grad
+        adam.step()
+
+    def step() -> None:
+        grad = torch.zeros_like(flat)  # the padding's gradient stays 0
+        for p, (a, b) in zip(model.parameters(), partition.spans):
+            grad[a:b] = p.grad.reshape(-1) / partition.world_size  # DDP's 1/K, on the way in
+        means.append((zero1_step if stage == 1 else zero2_step)(flat, grad, step_shard))
+
+    models.random_batch_steps(model, model, SimpleNamespace(zero_grad=model.zero_grad, step=step), steps)
+    return model, adam, partition, means[-1]
+
+
 def demo(args) -> int:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
     launch.require(args.steps >= 1 and len(args.widths) >= 2 and min(args.widths) >= 1,
                    "--steps must be >= 1 and --widths two or more numbers >= 1")
-    k, w, adam, runs = launch.setup().world_size, args.widths, torch.optim.Adam, {}
-    make = {"DDP + Adam": lambda m, f: adam(f.parameters(), lr=1e-2),
-            "DDP + ZeroRedundancyOptimizer": lambda m, f: ZeroRedundancyOptimizer(f.parameters(), adam, lr=1e-2)}
-    make |= {f"ZeRO-{s}": lambda m, f, s=s: ZeroOptimizer(m.named_parameters(), adam, stage=s, lr=1e-2)
-             for s in (0, 1, 2)}
-    for name, optimizer in make.items():  # the same model on every rank, each rank its own data
-        model = models.mlp(w, torch.float64).to(launch.device())
-        forward = DDP(model) if name.startswith("DDP") else model
-        runs[name] = (model, forward, optimizer(model, forward))
-        models.random_batch_steps(*runs[name], args.steps)
-    diff = {name: max((p - q).abs().max().item() for p, q in zip(runs[name][0].parameters(),
-                                                                  runs["DDP + Adam"][0].parameters()))
-            for name in runs if name != "DDP + Adam"}
+    K = launch.setup().world_size
+    ddp = models.mlp(args.widths, torch.float64)
+    models.random_batch_steps(ddp, DDP(ddp), torch.optim.Adam(ddp.parameters(), lr=1e-2), args.steps)
+    runs = {stage: sharded_adam(stage, args.widths, args.steps) for stage in (1, 2)}
+    diff = {s: max((p - q).abs().max().item() for p, q in zip(m.parameters(), ddp.parameters()))
+            for s, (m, *_) in runs.items()}
     worst = max(diff.values())  # fp64: only the order in which the K gradients are summed differs (~1e-16)
-    opt, grad = runs["ZeRO-1"][2], runs["ZeRO-2"][2].grad
-    state = sum(v.numel() for v in opt.optimizer.state[opt.slices[0]].values() if v.dim() > 0)
-    S, N = opt.partition.shard_size, opt.partition.numel
-    launch.print0(f"{opt.partition}\n{args.steps} Adam steps, fp64, K = {k}; max |parameter difference| from native "
-                  f"DDP + Adam: " + ", ".join(f"{n} {d:.1e}" for n, d in diff.items()) +
-                  f"\nper rank (rank 0): Adam state for {state:,} elements = 2S (DDP: 2N = {2 * N:,}); ZeRO-2 keeps "
-                  f"a mean gradient of {grad.numel():,} elements = S (DDP, ZeRO-1: N = {N:,})")
-    return launch.conclude("zero", worst <= 1e-12, f"stages 0/1/2 = DDP and ZeroRedundancyOptimizer ({worst:.0e})",
-                           state == 2 * S and grad.numel() == S, "per rank: Adam state 2S, ZeRO-2 gradient S elements")
+    _, adam, partition, _ = runs[1]
+    state = sum(v.numel() for s in adam.state.values() for v in s.values() if v.dim() > 0)
+    S = partition.shard_size
+    N = partition.numel
+    gradient = runs[2][3].numel()
+    launch.print0(f"{partition}\n{args.steps} Adam steps, fp64, K = {K}; max |parameter difference| from native "
+                  f"DDP + Adam: ZeRO-1 {diff[1]:.1e}, ZeRO-2 {diff[2]:.1e}\nper rank (rank 0): Adam state for "
+                  f"{state:,} elements = 2S (DDP: 2N = {2 * N:,}); ZeRO-2 keeps a mean gradient of {gradient:,} "
+                  f"elements = S (DDP, ZeRO-1: N = {N:,})")
+    return launch.conclude("zero", worst <= 1e-12, f"ZeRO-1 and ZeRO-2 = DDP + Adam ({worst:.0e})",
+                           state == 2 * S and gradient == S, "per rank: Adam state 2S, ZeRO-2 gradient S elements")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ if not __package__:  # run as `torchrun mini_dist/zero_ledger.py`: Python put mi
 from mini_dist import fsdp_ledger
 from mini_dist.kit import launch, models
 from mini_dist.kit.wire import LEDGER
-from mini_dist.zero import Partition, ZeroOptimizer
+from mini_dist.zero import Partition
+from mini_dist.zero_optimizer import ZeroOptimizer
 
 PASSES = {0: 2, 1: 3, 2: 2}  # ring passes of (K-1)*S*b bytes per step: reduce-scatter, all-gathers
 FORMULAS = {False: ("16N", "8N + 8N/K", "4N + 12N/K"), True: ("16N", "4N + 12N/K", "2N + 14N/K")}

@@ -376,7 +376,7 @@ def trainer(kind: str, stage: int):
     """(train steps [a, b), the checkpoint state, load from a path) of one fp64 MLP of N = 50 parameters,
     sharded with a ZeroOptimizer of `stage` or with FSDP, Adam either way."""
     from mini_dist.fsdp import FullyShardedDataParallel
-    from mini_dist.zero import ZeroOptimizer
+    from mini_dist.zero_optimizer import ZeroOptimizer
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2)).to(
         device(), torch.float64)

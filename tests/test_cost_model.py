@@ -243,7 +243,7 @@ def linear_stack(widths):
 def zero_ledgers(stage, sizes, dtype):
     """One ZeroOptimizer step with ring collectives: bytes sent, and the memory ledger after it."""
     from mini_dist.ring_allreduce import LEDGER
-    from mini_dist.zero import ZeroOptimizer
+    from mini_dist.zero_optimizer import ZeroOptimizer
     from mini_dist.zero_ledger import memory_ledger
     model = linear_stack(sizes).to(dtype)
     opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=stage, collectives="ring")

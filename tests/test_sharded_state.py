@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from harness import run
 from mini_dist.sharded_state import (consolidated_state_dict, load_consolidated_state_dict, load_shard_state_dict,
                                      shard_state_dict)
-from mini_dist.zero import ZeroOptimizer
+from mini_dist.zero_optimizer import ZeroOptimizer
 from mini_dist.zero_ledger import memory_ledger
 from test_zero import OPTIMIZERS, Toy, flat, hyperparameters, param_groups, shapes, train
 

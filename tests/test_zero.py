@@ -20,9 +20,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness import device, rank_generator, run, subgroup
-from mini_dist.flat_param import Partition
 from mini_dist.sharded_state import consolidated_state_dict, load_consolidated_state_dict
-from mini_dist.zero import ZeroOptimizer
+from mini_dist.zero import Partition
+from mini_dist.zero_optimizer import ZeroOptimizer
 
 FP64_TOL = 1e-12
 OPTIMIZERS = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}

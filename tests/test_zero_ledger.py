@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from harness import BACKEND, device, run
 from mini_dist import zero_ledger
-from mini_dist.zero import ZeroOptimizer
+from mini_dist.zero_optimizer import ZeroOptimizer
 from mini_dist.zero_ledger import bytes_sent_formula, memory_formula, memory_ledger
 from test_zero import OPTIMIZERS, Toy, hyperparameters, shapes, train
 

@@ -26,7 +26,7 @@ from mini_dist import bench
 from mini_dist.ddp import DistributedDataParallel, NaiveDataParallel
 from mini_dist.kit import launch
 from mini_dist.kit.models import accumulation_step, mlp, random_batch_steps
-from mini_dist.zero import ZeroOptimizer
+from mini_dist.zero_optimizer import ZeroOptimizer
 
 NOTE = "ratio: median of {} paired step ratios"
 
