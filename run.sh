@@ -242,6 +242,9 @@ every_demo() {
     runs+=("$module $ranks $*")
   done
   dir=$(mktemp -d)
+  # Ctrl-C or a TERM stops every demo running: the demos ignore Ctrl-C (a shell without job control starts them
+  # so) and run under `timeout`, in process groups of their own; a TERM to each `timeout` stops its torchrun
+  trap 'trap - INT TERM; for job in $(jobs -p); do pkill -TERM -P "$job"; done; wait; rm -rf "$dir"; exit 130' INT TERM
   while [ "$shown" -lt ${#runs[@]} ]; do
     if [ "$i" -lt ${#runs[@]} ] && [ $(( i - $(ls "$dir" | grep -c '\.code$' || true) )) -lt "$width" ]; then
       demo_job "$dir/$i" ${runs[$i]} &
@@ -254,6 +257,7 @@ every_demo() {
     fi
   done
   wait
+  trap - INT TERM
   rm -rf "$dir"
   DEMO_SUMMARY="${#passed[@]} passed, ${#refused[@]} refused${refused[*]:+ (need more ranks: ${refused[*]})}, "
   DEMO_SUMMARY+="${#failed[@]} failed${failed[*]:+: ${failed[*]}}"
