@@ -301,8 +301,12 @@ def on_rank_device(fn, *args):
 
 
 def demo(module: str, argv: list) -> int:
+    """A demo's exit status: 0 passed, 1 a check failed, 2 a configuration it refuses (UsageError)."""
     m = importlib.import_module(f"mini_dist.{module}")
-    return m.demo(m.parser().parse_args(argv))
+    try:
+        return m.demo(m.parser().parse_args(argv))
+    except launch.UsageError:
+        return 2
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -315,6 +319,23 @@ def test_reshards_demo_passes_with_the_ranks_device_told_apart_from_the_cpu(worl
 ON_THE_RANK = ("a factory given the rank's device", "its result", "a factory given its .device", "a layer moved there",
                "the layer's gradient", "Adam's exp_avg")
 ON_THE_HOST = ("its .cpu()", "a factory naming no device", "Adam's step")
+
+
+TOUR = sorted({entry.split()[0].strip('"') for entry in open(os.path.join(ROOT, "run.sh")).read().split(
+    "TOUR=(")[1].split(")")[0].split("\n") if entry.strip()})
+NOT_ON_THE_RANKS_DEVICE = {  # demos this in-process run cannot hold, and why
+    "recovery": "it kills its own ranks and needs torchrun to restart them",
+    "planner": "it starts no ranks: a plan is arithmetic",
+    "fsdp": "its reference, torch's fully_shard, places its buffers by the mesh's device type, 'cpu': the host here",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", [m for m in TOUR if m not in NOT_ON_THE_RANKS_DEVICE])
+def test_every_demo_runs_on_one_rank_with_the_ranks_device_told_apart_from_the_cpu(module):
+    """The tour on one rank, the world size one GPU gives, with every host tensor that meets the rank's caught:
+    each demo passes (0) or refuses one rank (2). Slow (about a minute): CI runs it with -m slow."""
+    assert run(1, on_rank_device, demo, module.replace("/", "."), [], timeout=600) in ([0], [2])
 
 
 @pytest.mark.single_process
