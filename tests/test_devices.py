@@ -155,6 +155,7 @@ def test_what_is_on_the_device_or_says_why_not_passes(fine, tmp_path):
 RANK_DEVICE = torch.device("cpu", 0)  # the rank's device: CPU memory, told apart from "cpu" by its index
 FACTORIES_CALLED = {getattr(torch, name) for name in FACTORIES | {"scalar_tensor", "empty_strided", "logspace"}}
 TRANSFERS = {torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default}  # legal across devices
+WHERE = {"rank": "the rank's device", "host": "the host", None: "neither (made where no mode saw it)"}
 INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default,
             torch.ops.aten._index_put_impl_.default}  # a CUDA tensor takes CPU indices (they are moved)
 
@@ -227,14 +228,18 @@ class RankDevice(TorchFunctionMode):
 
     def move(self, func, args, kwargs):
         """Tensor.to / Tensor.cpu: a copy when the place changes (as between a GPU and the host), else as asked."""
-        t, kwargs, target = args[0], dict(kwargs), "host"
+        t = args[0]
+        kwargs = dict(kwargs)
         copy = kwargs.pop("copy", False)
-        dtype, non_blocking, memory_format = None, False, torch.preserve_format
-        if func == torch.Tensor.to:
-            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
-            other = next((a for a in args[1:] if isinstance(a, torch.Tensor)), kwargs.get("other"))
-            target = (self.place(other) or "host") if other is not None else None if device is None else \
-                "rank" if device == RANK_DEVICE else "host"
+        to = args[1:] if func == torch.Tensor.to else ("cpu",)
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*to, **kwargs)
+        other = next((a for a in to if isinstance(a, torch.Tensor)), kwargs.get("other"))
+        if other is not None:
+            target = self.place(other) or "host"
+        elif device is None:
+            target = None  # a dtype only: the tensor stays where it is
+        else:
+            target = "rank" if device == RANK_DEVICE else "host"
         moving = target is not None and target != (self.place(t) or "host")
         out = torch.Tensor.to(t, "cpu", dtype or t.dtype, non_blocking, copy or moving,
                               memory_format=memory_format or torch.preserve_format)
@@ -258,8 +263,7 @@ class _PlaceEveryOperation(TorchDispatchMode):
             indices = {id(t) for t in pytree.tree_leaves(args[1])} if func in INDEXING else set()
             host = [t for t, p in zip(tensors, places) if p == "host" and id(t) not in indices]
             if host and not cpu_scalars_taken(func, args, host):
-                seen = ", ".join(f"{tuple(t.shape)} on {'the host' if p == 'host' else 'the rank' if p else '?'}"
-                                 for t, p in zip(tensors, places))
+                seen = ", ".join(f"{tuple(t.shape)} on {WHERE[p]}" for t, p in zip(tensors, places))
                 raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
                                    f"{RANK_DEVICE} (the rank's device) and cpu! (when checking the arguments of "
                                    f"{func}: {seen})")
@@ -294,6 +298,7 @@ def on_rank_device(fn, *args):
 
     def setup_on_rank_device(*a, **k):
         return dataclasses.replace(setup(*a, **k), device=RANK_DEVICE)
+
     with RankDevice(), mock.patch.object(launch, "device", rank_device), \
             mock.patch.object(launch, "setup", setup_on_rank_device), \
             mock.patch.object(launch, "shutdown", dist.barrier):
