@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import test_checkpoint
+import harness
 from harness import run
 from mini_dist import reshard
 from mini_dist.kit import launch
@@ -287,6 +288,11 @@ def cpu_scalars_taken(func, args, host) -> bool:
             and all(t.dim() == 0 and t is not written for t in host))
 
 
+# Ranks that run with the rank's device told apart need gloo: on NCCL the rank's device is a GPU, apart for real.
+ON_GLOO = pytest.mark.skipif(harness.BACKEND != "gloo", reason="emulates on gloo what a GPU shows: on NCCL the "
+                             "rank's device is a GPU, told apart from the CPU for real")
+
+
 def rank_device() -> torch.device:
     return RANK_DEVICE
 
@@ -314,6 +320,7 @@ def demo(module: str, argv: list) -> int:
         return 2
 
 
+@ON_GLOO
 @pytest.mark.parametrize("world", [1, 2])
 def test_reshards_demo_passes_with_the_ranks_device_told_apart_from_the_cpu(world):
     """The GPU run's failure, seen on the CPU: the FSDP -> FSDP step compared Adam's step counter, kept on the host
@@ -335,6 +342,7 @@ NOT_ON_THE_RANKS_DEVICE = {  # demos this in-process run cannot hold, and why
 }
 
 
+@ON_GLOO
 @pytest.mark.slow
 @pytest.mark.parametrize("module", [m for m in TOUR if m not in NOT_ON_THE_RANKS_DEVICE])
 def test_every_demo_runs_on_one_rank_with_the_ranks_device_told_apart_from_the_cpu(module):
@@ -417,6 +425,7 @@ def differing(saved: dict, loaded: dict) -> list:
     return [n for n, v in saved.items() if not (torch.equal(loaded[n], v) if torch.is_tensor(v) else loaded[n] == v)]
 
 
+@ON_GLOO
 @pytest.mark.parametrize("kind, world, world_after", [("zero", 2, 3), ("fsdp", 3, 2)])
 def test_zero_and_fsdp_resumed_at_k_prime_on_the_ranks_device_told_apart_load_what_was_saved(kind, world, world_after):
     """Saving reads each shard's bytes through a CPU copy (checkpoint.save), loading reads a file into a CPU buffer and
@@ -426,6 +435,7 @@ def test_zero_and_fsdp_resumed_at_k_prime_on_the_ranks_device_told_apart_load_wh
     assert all(not differing(saved, state) for state in loaded)
 
 
+@ON_GLOO
 @pytest.mark.parametrize("world, world_after", [(2, 1), (1, 3)])
 def test_tensor_parallel_state_resharded_on_the_ranks_device_told_apart_is_what_was_saved(world, world_after):
     path = tempfile.mkdtemp(prefix="test_devices_")
@@ -437,6 +447,7 @@ def test_tensor_parallel_state_resharded_on_the_ranks_device_told_apart_is_what_
     assert all(not differing(saved, state) for state in loaded)
 
 
+@ON_GLOO
 def test_a_cpu_copy_planted_in_reshards_fsdp_path_passes_on_the_cpu_and_is_caught_on_the_ranks_device():
     """The negative control: FSDP boxes made of `shard.cpu()` load into copies on a GPU, leaving the model as it was;
     on the CPU `.cpu()` is the shard itself, so the plain CPU run cannot see it, and the rank's device must."""
