@@ -9,8 +9,8 @@
 #   ./run.sh ask [N ...] [--markdown]   the questions learners ask, each answered by a figure measured now
 #   ./run.sh exercise MODULE [--force]  write exercises/MODULE.py: the concept with its textbook code blanked
 #   ./run.sh check MODULE [--every]     grade exercises/MODULE.py with the properties that prove mini_dist
-#   ./run.sh demos [N]                  every demo of the tour on at most N ranks (default 2)
-#   ./run.sh gpu                        the GPU check: the suite on NCCL, then every demo on 1 rank (one GPU)
+#   ./run.sh demos [N]                  every demo of the tour on at most N ranks (default 2), several at once
+#   ./run.sh gpu                        the GPU check (one GPU): the suite on NCCL, every demo on 1 rank, a summary
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -94,18 +94,13 @@ setup() {
 # add a 40-line report about the exit codes, which says nothing more. Other failures keep everything.
 # (The ranks' stderr is shown when the run ends; their stdout as it comes.)
 launch() {
-  local ranks=$1 cores err status=0
+  local ranks=$1 cpus err status=0
   shift
   [ "$ranks" -ge 1 ] || { echo "./run.sh: the rank count must be at least 1, got $ranks" >&2; return 2; }
   # torchrun warns (once per run) and sets 1 thread per rank when OMP_NUM_THREADS is unset: share the
   # cores among the ranks ourselves
-  cores=$(nproc)
-  local quota period  # a container may see every core of its host and get a quota of two
-  if read -r quota period 2>/dev/null < /sys/fs/cgroup/cpu.max && [ "$quota" != max ]; then
-    cores=$(( (quota + period - 1) / period < cores ? (quota + period - 1) / period : cores ))
-    [ "$cores" -ge 1 ] || cores=1
-  fi
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / ranks > 1 ? cores / ranks : 1 ))}
+  cpus=$(cores)
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cpus / ranks > 1 ? cpus / ranks : 1 ))}
   # a rank killed by a signal (SIGSEGV, or SIGABRT from C++ inside torch) prints every thread's Python stack
   export PYTHONFAULTHANDLER=${PYTHONFAULTHANDLER:-1}
   err=$(mktemp)
@@ -174,52 +169,144 @@ tour() {
   return $status
 }
 
+torch_version() { "$PY" -c 'import torch; print(torch.__version__)'; }
+
+# The cores this process may use: nproc, or fewer when a container's CPU quota says so (a container may see
+# every core of its host and get a quota of two).
+cores() {
+  local n quota period
+  n=$(nproc)
+  if read -r quota period 2>/dev/null < /sys/fs/cgroup/cpu.max && [ "$quota" != max ]; then
+    n=$(( (quota + period - 1) / period < n ? (quota + period - 1) / period : n ))
+  fi
+  echo $(( n >= 1 ? n : 1 ))
+}
+
+# One demo of every_demo in the background: its output to AT.out, then its exit status to AT.code (written last:
+# its presence says the demo is done). A rank killed by a signal is a crash inside torch's C++, not a check that
+# failed: that output is kept as AT.crash, the signal in AT.signal, and the demo runs once more.
+demo_job() {
+  local at=$1 code signal
+  shift
+  demo "$@" > "$at.out" 2>&1 && code=0 || code=$?
+  if [ "$code" -ne 0 ] && signal=$(grep -o -m1 'Signal [0-9]* (SIG[A-Z]*)' "$at.out"); then
+    mv "$at.out" "$at.crash"
+    echo "$signal" > "$at.signal"
+    demo "$@" > "$at.out" 2>&1 && code=0 || code=$?
+  fi
+  echo "$code" > "$at.tmp"
+  mv "$at.tmp" "$at.code"
+}
+
+# What demo_job AT left, shown as it happens in the tour's order: a pass and a refusal its last lines, a failure
+# enough to see which rank died and how. Counts into every_demo's passed / refused / failed / crashed (bash
+# functions see their caller's locals).
+demo_report() {
+  local at=$1 module=$2 ranks=$3 code signal
+  code=$(cat "$at.code")
+  echo "=== $module on $ranks rank(s) ==="
+  if [ -f "$at.crash" ]; then
+    signal=$(cat "$at.signal")
+    tail -n 60 "$at.crash"
+    echo "=== $module: a rank was killed by $signal: once more ==="
+    crashed+=("$module ($signal, then exit $code)")
+  fi
+  case $code in
+    0) tail -n 4 "$at.out"; passed+=("$module") ;;
+    2) tail -n 4 "$at.out"; echo "(needs more ranks: not a failure)"; refused+=("$module") ;;
+    *) tail -n 60 "$at.out"; failed+=("$module") ;;
+  esac
+}
+
 # Every demo of the tour on at most N ranks: where the tour gives a demo more ranks, it runs on N without its
-# grid flags; a demo that cannot run on so few says so and exits 2, which is not a failure. The GPU check
-# runs it on one rank; CI on two, on the oldest torch mini_dist supports.
+# grid flags; a demo that cannot run on so few says so and exits 2, which is not a failure. The GPU check runs
+# it on one rank; CI on one rank, and on two under the oldest torch mini_dist supports. Demos are independent
+# processes (each torchrun finds a free port), so MINI_DIST_PARALLEL of them run at once: by default one per
+# two cores per rank (one computes, one keeps its Python and communication threads going), at most 8, each
+# rank's share of OMP threads cut to match. Their output is shown in the tour's order as each is done; the
+# last line counts them (DEMO_SUMMARY keeps it for the GPU check).
 every_demo() {
-  local most=${1:-2} status=0 failed=() crashed=() entry code out signal
+  local most=${1:-2} start=$SECONDS entry runs=() passed=() refused=() failed=() crashed=() dir i=0 shown=0
+  local cpus width
+  cpus=$(cores)
+  width=${MINI_DIST_PARALLEL:-$(( cpus / (2 * most) > 8 ? 8 : cpus / (2 * most) ))}
+  [[ "$width" =~ ^[0-9]+$ ]] || { echo "./run.sh: MINI_DIST_PARALLEL is how many demos run at once: a number," \
+                                       "got '$width'" >&2; return 2; }
+  width=$(( width < 1 ? 1 : width ))
   export MINI_DIST_DEMO_TIMEOUT=${MINI_DIST_DEMO_TIMEOUT:-600}
-  out=$(mktemp)
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cpus / (most * width) > 1 ? cpus / (most * width) : 1 ))}
   for entry in "${TOUR[@]}"; do
     set -- $entry
     [ -f "mini_dist/$1.py" ] || continue
     local module=$1 ranks=$(( $2 < most ? $2 : most ))
     shift 2
     [ "$ranks" -lt "$most" ] || [[ ! " $* " =~ \ --(ranks-per-node|dp|pp|cp|tp|ep)\  ]] || set --
-    echo "=== $module on $ranks rank(s) ==="
-    demo "$module" "$ranks" "$@" > "$out" 2>&1 && code=0 || code=$?
-    if [ "$code" -ne 0 ] && signal=$(grep -o -m1 'Signal [0-9]* (SIG[A-Z]*)' "$out"); then
-      # a rank killed by a signal is a crash inside torch's C++, not a check that failed: shown whole, then
-      # run once more; the final line names it either way
-      tail -n 60 "$out"
-      echo "=== $module: a rank was killed by $signal: once more ==="
-      demo "$module" "$ranks" "$@" > "$out" 2>&1 && code=0 || code=$?
-      crashed+=("$module ($signal, then exit $code)")
-    fi
-    case $code in  # a pass shows its last lines; a failure enough to see which rank died, and how
-      0) tail -n 4 "$out" ;;
-      2) tail -n 4 "$out"; echo "(needs more ranks: not a failure)" ;;
-      *) tail -n 60 "$out"; failed+=("$module"); status=1 ;;
-    esac
+    runs+=("$module $ranks $*")
   done
-  rm -f "$out"
-  echo "torch $("$PY" -c 'import torch; print(torch.__version__)'): ${#failed[@]} demo(s) failed${failed[*]:+: ${failed[*]}}"
+  dir=$(mktemp -d)
+  # Ctrl-C or a TERM stops every demo running: the demos ignore Ctrl-C (a shell without job control starts them
+  # so) and run under `timeout`, in process groups of their own; a TERM to each `timeout` stops its torchrun
+  trap 'trap - INT TERM; for job in $(jobs -p); do pkill -TERM -P "$job"; done; wait; rm -rf "$dir"; exit 130' INT TERM
+  while [ "$shown" -lt ${#runs[@]} ]; do
+    if [ "$i" -lt ${#runs[@]} ] && [ $(( i - $(ls "$dir" | grep -c '\.code$' || true) )) -lt "$width" ]; then
+      demo_job "$dir/$i" ${runs[$i]} &
+      i=$((i + 1))
+    elif [ -f "$dir/$shown.code" ]; then
+      demo_report "$dir/$shown" ${runs[$shown]}
+      shown=$((shown + 1))
+    else
+      sleep 0.5
+    fi
+  done
+  wait
+  trap - INT TERM
+  rm -rf "$dir"
+  DEMO_SUMMARY="${#passed[@]} passed, ${#refused[@]} refused${refused[*]:+ (need more ranks: ${refused[*]})}, "
+  DEMO_SUMMARY+="${#failed[@]} failed${failed[*]:+: ${failed[*]}}"
+  echo "torch $(torch_version), every demo on at most $most rank(s), $width at" \
+       "once: $DEMO_SUMMARY; $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s"
   [ ${#crashed[@]} -eq 0 ] || echo "a rank was killed by a signal, output above, in: ${crashed[*]}"
-  return $status
+  [ ${#failed[@]} -eq 0 ]
 }
 
 # The GPU check, for one GPU: the suite on NCCL (tests that need more GPUs than there are skip, saying how
-# many), then every demo of the tour on one rank. NCCL refuses two ranks on one GPU, so world size 1 is all
-# one GPU can show; the ordering NCCL imposes on many GPUs is proven on the CPU (tests/test_nccl_order.py).
+# many), then every demo of the tour on one rank, several at once (every_demo), then one summary. NCCL refuses
+# two ranks on one GPU, so world size 1 is all one GPU can show; the ordering NCCL imposes on many GPUs is
+# proven on the CPU (tests/test_nccl_order.py). MINI_DIST_BACKEND=gloo runs the same check on the CPU, to try
+# the check itself where no GPU is.
 gpu_check() {
-  local status=0
-  "$PY" -c 'import torch; print("GPU:", torch.cuda.get_device_name(0), "| torch", torch.__version__, "| NCCL", ".".join(map(str, torch.cuda.nccl.version())))' 2>/dev/null || {
-    echo "./run.sh gpu: torch $("$PY" -c 'import torch; print(torch.__version__)') sees no CUDA GPU here; run it on" \
-         "a GPU node (MINI_DIST_PYTHON=python3 ./run.sh gpu uses that node's own torch)" >&2; return 2; }
-  MINI_DIST_BACKEND=nccl "$PY" -m pytest -q -p no:cacheprovider tests --deselect tests/test_cli.py \
-    --deselect tests/test_questions.py || status=1
-  MINI_DIST_BACKEND=nccl every_demo 1 || status=1
+  local status=0 start=$SECONDS backend=${MINI_DIST_BACKEND:-nccl} machine log counts what tests=""
+  if [ "$backend" = nccl ]; then
+    machine=$("$PY" - 2>/dev/null <<'EOF'
+import torch
+print("GPU:", torch.cuda.get_device_name(0), "| torch", torch.__version__, "| NCCL",
+      ".".join(map(str, torch.cuda.nccl.version())))
+EOF
+    ) || {
+      echo "./run.sh gpu: torch $(torch_version) sees no CUDA GPU here; run it on a GPU node" \
+           "(MINI_DIST_PYTHON=python3 ./run.sh gpu uses that node's own torch)" >&2; return 2; }
+  else
+    machine="GPU: none (MINI_DIST_BACKEND=$backend: this check on the CPU) | torch $(torch_version)"
+  fi
+  echo "$machine"
+  log=$(mktemp)
+  MINI_DIST_BACKEND=$backend "$PY" -m pytest -q -rs -p no:cacheprovider tests --deselect tests/test_cli.py \
+    --deselect tests/test_questions.py 2>&1 | tee "$log" || status=1
+  counts=$(grep -E '^=* ?[0-9]+ (passed|failed|skipped|errors?|deselected)' "$log" | tail -n 1)
+  MINI_DIST_BACKEND=$backend every_demo 1 || status=1
+  echo; echo "=== ./run.sh gpu: summary ==="
+  echo "$machine"
+  for what in passed skipped failed; do
+    tests+="$(grep -o "[0-9]* $what" <<< "$counts" || echo "0 $what"), "
+  done
+  echo "tests: ${tests%, }$(grep -o ', [0-9]* errors\?' <<< "$counts" || true)"
+  # the skips by reason (pytest -rs: "SKIPPED [count] file:line: reason"), most first
+  awk '/^SKIPPED \[[0-9]+\] / { n = substr($2, 2, length($2) - 2); sub(/^SKIPPED \[[0-9]+\] [^ ]* /, "")
+                               count[$0] += n }
+       END { for (why in count) printf "  %d skipped: %s\n", count[why], why }' "$log" | sort -t' ' -k3,3nr
+  rm -f "$log"
+  echo "demos on 1 rank: $DEMO_SUMMARY"
+  echo "took $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s"
   return $status
 }
 

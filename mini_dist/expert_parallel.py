@@ -227,11 +227,13 @@ def traffic_and_stragglers(experts=8, k=2, hidden=8, seed=0) -> tuple[str, bool]
         load[skew] = (rows.max() / rows.mean()).item()
     diff, off = comm.all_reduce(torch.tensor([diff, nbytes != want], dtype=torch.float64, device=dev),
                                 op=dist.ReduceOp.MAX).tolist()  # the worst over the ranks
+    straggler = load[4.0] > load[0.0] if W > 1 else load == {0.0: 1.0, 4.0: 1.0}  # one rank: busiest = mean
     return (f"E = {experts} experts on {W} ranks, top-{k}: rank {r} sent {nbytes:,} B of rows by all-to-all, "
             f"forward and back, = 2(rows out + rows in)*h*8 (= one process to {diff:.0e}); rows reaching the "
             f"busiest rank: {load[0.0]:.2f}x the mean for tokens without a common direction, {load[4.0]:.2f}x "
-            f"when all lean one way: that rank computes longest and the return trip waits for it"), \
-        diff <= 1e-12 and off == 0 and load[4.0] > load[0.0]
+            f"when all lean one way: " + ("that rank computes longest and the return trip waits for it" if W > 1
+                                          else "one rank holds every expert, no rank waits for another")), \
+        diff <= 1e-12 and off == 0 and straggler
 
 
 def parser():

@@ -22,8 +22,11 @@ invisible to rank 0:
 
 The model is now half updated, and next iteration rank 0 backpropagates with S and rank 1 with S/2, so
 every gradient sum they share is wrong from then on. Naive: each rank decides alone (a group of one rank).
-Agreed: one all-reduce(MAX) of every rank's flag before the step makes the decision global. The unscale is
-two passes (an inf/NaN check, then g * 1/S) where GradScaler's kernel fuses both.
+Agreed: one all-reduce(MAX) of every rank's flag before the step makes the decision global.
+
+On a whiteboard the unscale is two passes over each gradient, an inf/NaN check, then g * 1/S
+(`unscale_textbook`); the scaler runs both in one pass, one launch per dtype, with the fused kernel that
+GradScaler and Megatron-LM's scaler call (`unscale_and_check`), and reads the agreed flag once per iteration.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/loss_scaling.py [--steps 48 --growth-interval 4]
 
@@ -53,7 +56,7 @@ class DynamicLossScaler:
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.group = growth_interval, group
         self._growth_tracker = 0  # clean steps since the last growth or overflow
-        self._found_inf = {}      # id(optimizer) -> this iteration's agreed inf/NaN flag (0-dim tensor)
+        self._found_inf = {}      # id(optimizer) -> this iteration's agreed inf/NaN flag (a bool)
         self._stepped = set()     # id(optimizer) of those stepped (or skipped) this iteration
 
     def get_scale(self) -> float:
@@ -70,13 +73,13 @@ class DynamicLossScaler:
         grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None
                  and g.numel()]  # each .grad read once: per parameter, Python time adds up
         device = grads[0].device if grads else optimizer.param_groups[0]["params"][0].device
-        # inf/NaN is checked before dividing, as GradScaler flags the scaled values
-        found_inf = agree_on_overflow(grads, device, self.group)
-        # The reciprocal in fp64 rounded to fp32, as GradScaler does (fast-math fp32 division can be off).
-        inv_scale = torch.tensor(1.0 / self._scale, dtype=torch.float32, device=device)
+        # The reciprocal in fp64 rounded to fp32, as GradScaler does (fast-math fp32 division can be off);
+        # torch.full fills it on the device, where a copy from the host would wait for the device
+        inv_scale = torch.full((), 1.0 / self._scale, dtype=torch.float32, device=device)
         with torch.no_grad():
-            torch._foreach_mul_(grads, inv_scale)
-        self._found_inf[id(optimizer)] = found_inf
+            found_inf = unscale_and_check(grads, inv_scale)
+        fp16 = torch.float16 in {g.dtype for g in grads}
+        self._found_inf[id(optimizer)] = agree_on_overflow(found_inf, fp16, self.group)
 
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
         """optimizer.step(), unless some rank found inf/NaN: then every rank skips it."""
@@ -85,8 +88,7 @@ class DynamicLossScaler:
         if id(optimizer) not in self._found_inf:
             self.unscale_(optimizer)
         self._stepped.add(id(optimizer))
-        skip = self._found_inf[id(optimizer)].item()  # the one host sync: Python decides the branch
-        return None if skip else optimizer.step(*args, **kwargs)
+        return None if self._found_inf[id(optimizer)] else optimizer.step(*args, **kwargs)
 
     def update(self) -> None:
         """Back off after an overflow (any optimizer's), grow after growth_interval clean iterations. Each
@@ -109,7 +111,7 @@ class DynamicLossScaler:
         """Whether any optimizer's gradients overflowed this iteration; forgets the iteration."""
         if not self._found_inf:
             raise RuntimeError("update() needs unscale_() or step() first in this iteration")
-        overflow = any(flag.item() for flag in self._found_inf.values())
+        overflow = any(self._found_inf.values())
         self._found_inf, self._stepped = {}, set()
         return overflow
 
@@ -138,21 +140,50 @@ def to_float32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float32).item()  # cpu: a number's rounding, read back at once
 
 
+# ----- unscaling: the textbook two passes, and one fused pass -----
+
+def unscale_textbook(grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """Per gradient, as on a whiteboard: found_inf = 1 if it holds inf or NaN (checked before dividing: GradScaler
+    flags the scaled values), then g = g * 1/S. Five launches per gradient on a GPU, and two passes over it."""
+    for g in grads:
+        found_inf.masked_fill_(~g.isfinite().all(), 1.0)  # on the device: no host sync per gradient
+        g.mul_(inv_scale)
+
+
+def unscale_and_check(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
+    """The same in one pass: a 0-dim fp32 flag on inv_scale's device, 1 if any gradient held inf or NaN.
+
+    torch._amp_foreach_non_finite_check_and_unscale_ (what GradScaler calls, and Megatron-LM's scaler) reads each
+    element once, flags it if not finite and writes it times 1/S: one read and one write instead of two reads,
+    one launch per dtype on a GPU, and GradScaler's numbers by construction. It takes no complex gradients:
+    those go the textbook way."""
+    found_inf = torch.zeros((), device=inv_scale.device)
+    by_dtype = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, same in by_dtype.items():
+        if dtype.is_complex:
+            unscale_textbook(same, inv_scale, found_inf)
+        else:
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found_inf, inv_scale)
+    return found_inf
+
+
 # ----- every rank agrees on the overflow, and fp16 gradients are named -----
 
-def agree_on_overflow(grads: list[torch.Tensor], device, group=None) -> torch.Tensor:
-    """A 0-dim tensor, 1 if any rank of the group has an inf/NaN gradient, else 0: the same on every rank.
+def agree_on_overflow(found_inf: torch.Tensor, fp16: bool, group=None) -> bool:
+    """Whether any rank of the group found inf/NaN (found_inf: this rank's 0-dim flag): the same on every rank.
 
     One number per rank goes into one all-reduce(MAX): 1 for inf/NaN, 2 for fp16 gradients, an error every
-    rank then raises together (no rank is left waiting in a collective), naming the ranks that hold them."""
+    rank then raises together (no rank is left waiting in a collective), naming the ranks that hold them.
+    Reading it is the one host sync of an iteration: Python decides the branch, skip or step."""
     K, me = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
-    fp16 = torch.float16 in {g.dtype for g in grads}
-    finite = all_finite(grads) or all(bool(g.isfinite().all()) for g in grads)  # a quick "no" is looked at again
-    status = torch.full((1,), 2.0 * fp16 + (not finite), device=device)
+    status = found_inf + 2.0 if fp16 else found_inf
     if K > 1:
         dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
-    if status >= 2:  # every rank is here: one more all-reduce, of a slot per rank, names them
-        slots = torch.zeros(K, device=device)
+    agreed = status.item()
+    if agreed >= 2:  # every rank is here: one more all-reduce, of a slot per rank, names them
+        slots = torch.zeros(K, device=found_inf.device)
         slots[me] = float(fp16)
         if K > 1:
             dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=group)
@@ -162,37 +193,7 @@ def agree_on_overflow(grads: list[torch.Tensor], device, group=None) -> torch.Te
         raise ValueError(f"unscale_: fp16 gradients on rank{'s' * (len(half) > 1)} "
                          f"{', '.join(map(str, half))}; S*g/S in fp16 underflows again. Keep fp32 master "
                          f"weights (MasterWeights) and step those.")
-    return status[0]
-
-
-# ----- the fast inf/NaN check -----
-
-FOLD = 1 << 16   # elements: gradients up to this size are added into one scratch for the check
-_FOLDED: dict = {}  # their shapes -> (a CPU scratch, a view of it per gradient): one entry, the last
-
-
-def all_finite(grads: list[torch.Tensor]) -> bool:
-    """No inf or NaN in any gradient, unless this says False on huge finite values (the caller looks again).
-
-    inf and NaN survive addition, so the small CPU gradients are added, in order, into views of one scratch,
-    summed once (a CPU foreach op is a plain loop, and a reduction per tensor costs more than an addition; a
-    CUDA one runs its tensors at once, where aliased views would race). The rest get an L2 norm each, in one
-    foreach call. Addition and squares can overflow on huge finite values."""
-    small, large = [], []
-    for g in grads:
-        (small if g.is_cpu and g.numel() <= FOLD and not g.is_complex() else large).append(g)
-    totals = list(torch._foreach_norm(large, 2)) if large else []
-    if small:
-        key = tuple(g.shape for g in small)  # the same every step: views made once
-        if key not in _FOLDED:
-            _FOLDED.clear()
-            scratch = torch.empty(max(g.numel() for g in small))  # cpu: only CPU gradients are folded
-            _FOLDED[key] = scratch, [scratch[:g.numel()].view(g.shape) for g in small]
-        scratch, views = _FOLDED[key]
-        scratch.zero_()
-        torch._foreach_add_(views, small)
-        totals.append(scratch.sum())
-    return not totals or bool(torch.stack(totals).isfinite().all())
+    return agreed >= 1
 
 
 # ----- demo: one rank's overflow skips the step on every rank, as one GradScaler over all shards would -----

@@ -151,7 +151,7 @@ def load_module_state(path: str, layout: dict, optimizer=None, group=None) -> di
             name, cut = named[id(p)]
             for k, (shape, dtype) in saved_keys(manifest, name).items():
                 t = fresh.setdefault(i, {})[k] = torch.zeros_like(p, dtype=dtype) if k in per else torch.zeros(
-                    shape, dtype=dtype, device=p.device)
+                    shape, dtype=dtype)  # cpu: Adam's step, kept on the host; load_state_dict moves it if asked
                 state[f"optim.state.{name}.{k}"] = cut(t) if k in per else t
         state["optim.param_groups"] = None  # replaced by the saved settings
     stats = checkpoint.load(state, path, group)

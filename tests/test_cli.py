@@ -8,6 +8,7 @@ before any process group exists (WORLD_SIZE comes from the environment, as torch
 """
 import importlib
 import os
+import re
 import sys
 
 import pytest
@@ -114,7 +115,8 @@ def test_a_configuration_a_demo_cannot_run_is_one_line_and_exit_2(module, monkey
 
 def run_sh(*args, env=None):
     environment = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE",
-                                                                  "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
+                                                                  "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR",
+                                                                  "MINI_DIST_BACKEND", "MINI_DIST_PARALLEL")}
     # the timeout is only against a real hang: a busy machine may be slow, and no test judges the clock
     environment.update(env or {})
     return command([os.path.join(ROOT, "run.sh"), *args], env=environment)
@@ -221,10 +223,70 @@ def test_every_demo_reruns_once_a_demo_whose_rank_a_signal_killed_and_names_it(t
     assert out.count("=== comm: a rank was killed by Signal 6 (SIGABRT): once more ===") == 1, out
     assert "ddp: a rank was killed" not in out and "FAIL a check" in out, out
     assert 'Fatal Python error: Aborted' in out and 'File "' in out, out  # PYTHONFAULTHANDLER: where it died
-    assert out.strip().splitlines()[-2:] == [
-        f"torch {importlib.import_module('torch').__version__}: 2 demo(s) failed: comm ddp",
-        "a rank was killed by a signal, output above, in: ring_allreduce (Signal 6 (SIGABRT), then exit 0) "
-        "comm (Signal 6 (SIGABRT), then exit 1)"], out
+    last, crashed = out.strip().splitlines()[-2:]
+    assert re.fullmatch(f"torch {re.escape(importlib.import_module('torch').__version__)}, every demo on at most 1 "
+                        r"rank\(s\), \d+ at once: 1 passed, 0 refused, 2 failed: comm ddp; \d+ min \d+ s", last), out
+    assert crashed == ("a rank was killed by a signal, output above, in: ring_allreduce (Signal 6 (SIGABRT), then exit "
+                       "0) comm (Signal 6 (SIGABRT), then exit 1)"), out
+
+
+# A stand-in demo that passes only while the other two run beside it: run one after another, it waits in vain.
+TOGETHER = """import pathlib, sys, time
+here = pathlib.Path(__file__).parent
+(here / (pathlib.Path(__file__).stem + ".started")).touch()
+for _ in range(240):
+    if all((here / f"{name}.started").exists() for name in ("ring_allreduce", "comm", "ddp")):
+        break
+    time.sleep(0.5)
+else:
+    print("FAIL: the other demos never started beside this one")
+    raise SystemExit(1)
+"""
+STAND_IN_TESTS = """import pytest
+def test_passes():
+    pass
+@pytest.mark.skip(reason="needs 2 GPUs for 2 NCCL ranks")
+def test_skips():
+    pass
+@pytest.mark.skip(reason="needs 2 GPUs for 2 NCCL ranks")
+def test_skips_again():
+    pass
+def test_fails():
+    assert False
+"""
+
+
+def test_the_gpu_check_on_gloo_runs_its_demos_side_by_side_and_ends_with_one_summary(tmp_path):
+    """./run.sh gpu's path on the CPU (MINI_DIST_BACKEND=gloo skips the CUDA check), in a copy of run.sh's directory
+    with stand-in tests (a pass, two skips, a failure) and three stand-in demos (a pass, a refusal, a failed check),
+    each of which waits until all three have started: MINI_DIST_PARALLEL=3 runs them at once, and the output keeps
+    the tour's order."""
+    (tmp_path / "mini_dist").mkdir()
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "run.sh").write_text(open(os.path.join(ROOT, "run.sh")).read())
+    (tmp_path / "run.sh").chmod(0o755)
+    (tmp_path / "tests" / "test_stand_in.py").write_text(STAND_IN_TESTS)
+    (tmp_path / "mini_dist" / "ring_allreduce.py").write_text(TOGETHER + "print('SUMMARY|ring|PASS')\n")
+    (tmp_path / "mini_dist" / "comm.py").write_text(
+        TOGETHER + "print('comm.py: error: run on 2 or more ranks', file=sys.stderr)\nraise SystemExit(2)\n")
+    (tmp_path / "mini_dist" / "ddp.py").write_text(TOGETHER + "print('FAIL a check')\nraise SystemExit(1)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE")}
+    result = command([str(tmp_path / "run.sh"), "gpu"], env={**env, "MINI_DIST_PYTHON": sys.executable,
+                                                            "MINI_DIST_BACKEND": "gloo", "MINI_DIST_PARALLEL": "3"})
+    out = result.stdout
+    assert result.returncode == 1, result
+    assert "never started beside" not in out, out
+    shown = [out.index(f"=== {m} on 1 rank(s) ===") for m in ("ring_allreduce", "comm", "ddp")]
+    assert shown == sorted(shown), out
+    summary = out[out.index("=== ./run.sh gpu: summary ===\n"):].strip().splitlines()
+    torch_version = importlib.import_module("torch").__version__
+    assert summary[:-1] == [
+        "=== ./run.sh gpu: summary ===",
+        f"GPU: none (MINI_DIST_BACKEND=gloo: this check on the CPU) | torch {torch_version}",
+        "tests: 1 passed, 2 skipped, 1 failed",
+        "  2 skipped: needs 2 GPUs for 2 NCCL ranks",
+        "demos on 1 rank: 1 passed, 1 refused (need more ranks: comm), 1 failed: ddp"], out
+    assert re.fullmatch(r"took \d+ min \d+ s", summary[-1]), summary
 
 
 def test_the_gpu_check_without_a_gpu_is_one_line_saying_where_to_run_it():

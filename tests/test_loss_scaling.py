@@ -12,6 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import harness
 from harness import RankFailure, device, rank_generator, run, subgroup
@@ -292,35 +294,98 @@ def test_finite_gradients_whose_squares_overflow_are_not_an_overflow_and_a_real_
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
 
 
-SIZES = [(), (0,), (3,), (2, 5), (4, 300), (loss_scaling.FOLD,), (loss_scaling.FOLD + 1,)]  # folded or not
+SIZES = [(), (0,), (3,), (2, 5), (4, 300), (70_000,)]  # 70,000: more than one chunk of a fused GPU kernel
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+OPMATH = {torch.float16: torch.float32, torch.bfloat16: torch.float32}  # the fused kernel multiplies these in fp32
 
 
 @pytest.mark.single_process
 @settings(max_examples=60)
-@given(shapes=st.lists(st.sampled_from(SIZES), min_size=1, max_size=6), dtype=st.sampled_from(
-       [torch.float32, torch.bfloat16, torch.float64, torch.complex64]), poison=st.sampled_from([None, *sorted(KINDS)]),
-       where=st.integers(0, 10**6), magnitude=st.sampled_from([1.0, 1e30, 1e38]), seed=st.integers(0, 99))
-@example(shapes=[(3,), (3,)], dtype=torch.float32, poison="inf", where=0, magnitude=1.0, seed=0)  # the first
-@example(shapes=[(2, 5), (4, 300)], dtype=torch.float32, poison="nan", where=10**6, magnitude=1.0, seed=0)
-def test_the_quick_inf_check_never_calls_a_non_finite_step_finite_and_forgets_the_last_step(
-        shapes, dtype, poison, where, magnitude, seed):
-    g = torch.Generator().manual_seed(seed)  # cpu: the check folds CPU gradients (and norms the rest)
-    grads = [(magnitude * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype) for shape in shapes]
-    exact = lambda: all(bool(x.isfinite().all()) for x in grads)  # noqa: E731
+@given(shapes=st.lists(st.sampled_from(SIZES), min_size=1, max_size=6), dtypes=st.lists(st.sampled_from(DTYPES),
+       min_size=1, max_size=3), poison=st.sampled_from([None, *sorted(KINDS)]), where=st.integers(0, 10**6),
+       magnitude=st.sampled_from([1.0, 1e30, 1e38]), scale=st.floats(1.0, 2.0**24), seed=st.integers(0, 99))
+@example(shapes=[(3,), (3,)], dtypes=[torch.float32], poison="inf", where=0, magnitude=1.0, scale=2.0**16, seed=0)
+@example(shapes=[(2, 5), (4, 300)], dtypes=[torch.float64, torch.complex64], poison="nan", where=10**6,
+         magnitude=1e38, scale=3.0, seed=0)
+def test_one_pass_unscale_flags_exactly_the_non_finite_and_multiplies_every_gradient_by_one_over_s(
+        shapes, dtypes, poison, where, magnitude, scale, seed):
+    """unscale_and_check flags inf/NaN anywhere and nothing else (finite values near fp32's max included), and
+    leaves each gradient g * fp32(1/S) in its dtype (fp16 and bf16 multiplied in fp32, as GradScaler does);
+    where the product is exact in the gradient's own dtype (fp32, fp64, complex) the textbook two passes agree."""
+    g = torch.Generator().manual_seed(seed)  # cpu: drawn here, then moved to the rank's device
+    grads = [(magnitude * torch.randn(shape, generator=g, dtype=torch.float64)).to(device(), dtypes[i % len(dtypes)])
+             for i, shape in enumerate(shapes)]
     sizes = [x.numel() for x in grads]
     if poison is not None and sum(sizes):
         i = where % sum(sizes)  # the element it lands on, counted over all the gradients
         k = next(k for k in range(len(sizes)) if i < sum(sizes[:k + 1]))
         grads[k].view(-1)[i - sum(sizes[:k])] = KINDS[poison]
-    quick = loss_scaling.all_finite(grads)
-    assert not quick or exact()  # "finite" is always true; "not finite" may be an overflow (looked at again)
-    if magnitude == 1.0:  # nothing near overflow: the quick answer is the exact one
-        assert quick == exact()
-        for x in grads:  # the next step's clean gradients, same shapes: the scratch kept nothing
-            x.copy_(torch.randn(x.shape, generator=g, dtype=torch.float64))
-        assert loss_scaling.all_finite(grads)
-    scratch, views = next(iter(loss_scaling._FOLDED.values()), (torch.empty(0), []))  # cpu: the CPU scratch
-    assert len(loss_scaling._FOLDED) <= 1 and scratch.numel() <= loss_scaling.FOLD
+    non_finite = any(not bool(x.isfinite().all()) for x in grads)
+    inv_scale = torch.full((), 1.0 / scale, dtype=torch.float32, device=device())
+    want = [(x.to(OPMATH.get(x.dtype, x.dtype)) * inv_scale).to(x.dtype) for x in grads]
+    exact = [x.clone() for x in grads if x.dtype in (torch.float32, torch.float64, torch.complex64)]
+    found = loss_scaling.unscale_and_check(grads, inv_scale)
+    assert found.item() == float(non_finite), f"flag {found.item()}, a non-finite value present: {non_finite}"
+    for x, y in zip(grads, want):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)  # bit for bit, NaN where NaN
+    textbook = torch.zeros((), device=device())
+    loss_scaling.unscale_textbook(exact, inv_scale, textbook)
+    assert textbook.item() == float(any(not bool(x.isfinite().all()) for x in exact))
+    for x, y in zip(exact, (x for x in grads if x.dtype in (torch.float32, torch.float64, torch.complex64))):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the tensor values read into Python (item, bool, float, tolist): on a GPU each read waits for every
+    launch before it, so a scaler that reads more than one per iteration leaves the GPU idle more often."""
+
+    READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
+             torch.Tensor.tolist}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+class Launches(TorchDispatchMode):
+    """Counts the aten operations run (on a GPU each is a kernel launch, a few microseconds of host time)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.namespace == "aten"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.single_process
+def test_an_iteration_reads_one_number_from_the_device_and_launches_fewer_operations_than_grad_scaler():
+    """unscale_, step and update read the agreed flag once (the branch: skip or step), as GradScaler reads its
+    found_inf once, and run fewer operations than GradScaler's (its scale lives on the device: its reciprocal
+    and its update are operations there). (A changed scale costs ours one more read, of a number on the host,
+    its fp32 rounding: here the scale stays 1, the growth interval far away.) Both step the same SGD."""
+    counts = []
+    for scaler in (loss_scaling.DynamicLossScaler(1.0, growth_interval=1000),
+                   torch.amp.GradScaler(device().type, 1.0, growth_interval=1000)):
+        params = [torch.zeros(5, device=device(), requires_grad=True) for _ in range(3)]
+        opt = torch.optim.SGD(params, lr=0.1)
+        scaler.scale(torch.ones((), device=device()))  # GradScaler makes its scale tensor here
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.ones(5, device=device())
+            with HostReads() as reads, Launches() as launches:
+                scaler.unscale_(opt)
+                scaler.step(opt)
+                scaler.update()
+            counts.append((reads.count, launches.count))
+    ours, theirs = counts[:3], counts[3:]
+    assert [r for r, _ in ours] == [r for r, _ in theirs] == [1] * 3, f"values read per iteration: {counts}"
+    assert all(a < b for (_, a), (_, b) in zip(ours, theirs)), f"operations per iteration: {counts}"
 
 
 # ----- misuse -----
