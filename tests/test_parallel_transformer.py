@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from harness import device, run
 from mini_dist import parallel_transformer as pt
 from mini_dist import tensor_parallel as tp
+from mini_dist.questions import model as model_questions
 from mini_dist.kit.measure import SavedTensors
 from test_tensor_parallel import (DATA_COLLECTIVES, F64, TOL, assert_counted, assert_named_on_every_rank,
                                   assert_same_clear_errors, error_messages, forward_backward_counted, provoke,
@@ -184,7 +185,7 @@ def figures_worker(kernel):
     T = dist.get_world_size()
     with sdpa_kernel(SDPBackend.MATH) if kernel == "math" else contextlib.nullcontext():
         block = pt.block_three_ways(2, 2 * T, 4 * T, 2 * T)
-    return pt.all_reduces_per_layer(block), pt.sequence_parallel_savings(block)
+    return model_questions.all_reduces_per_layer(block), model_questions.sequence_parallel_savings(block)
 
 
 @pytest.mark.parametrize("kernel", ["default", "math"])

@@ -28,6 +28,8 @@ from harness import device, run, subgroup
 from mini_dist import comm
 from mini_dist.kit import debug
 from mini_dist import tensor_parallel as tp
+from mini_dist import tp_layout
+from mini_dist.questions import model as model_questions
 
 F64 = torch.float64
 TOL = 1000 * torch.finfo(F64).eps
@@ -96,7 +98,7 @@ def run_both(dense, parallel, group, x, shard_in, shard_out, sp, ref=None):
     out = parallel(xin)
     out.backward(shard_out(dy))
     if sp:
-        tp.allreduce_sequence_parallel_grads(parallel, group)
+        tp_layout.allreduce_sequence_parallel_grads(parallel, group)
     return compare(parallel, dense, group, out, shard_out(ref_out), [(xin.grad, shard_in(x.grad))])
 
 
@@ -306,7 +308,7 @@ def native_worker(seed, T):
         outs = [module(xin) for module in (native, mine)]
         for out in outs:
             out.square().sum().backward()
-        tp.allreduce_sequence_parallel_grads(mine, group)
+        tp_layout.allreduce_sequence_parallel_grads(mine, group)
         errors.append(rel_err(outs[1], outs[0]))
         errors += [rel_err(p.grad, q.grad.to_local()) for p, q in zip(mine.parameters(), native.parameters())]
     return errors
@@ -543,5 +545,5 @@ def test_debug_mode_off_issues_no_collective_beyond_the_layers_own():
 def test_tensor_parallel_traffic_grows_with_the_tokens_and_holds_on_one_rank_and_on_three():
     # question 10's figure (4 ranks in test_questions.py): a group of one sends nothing, 3 ranks two all-reduces
     for world in (1, 3):
-        for figure, holds in run(world, tp.tensor_parallel_traffic, 24):  # 4h = 96 cuts 3 ways
+        for figure, holds in run(world, model_questions.tensor_parallel_traffic, 24):  # 4h = 96 cuts 3 ways
             assert holds, (world, figure)
