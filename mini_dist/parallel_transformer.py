@@ -78,7 +78,7 @@ class ParallelAttention(nn.Module):
     def forward(self, x):
         check_input(self, x, self.hidden, self.sequence_parallel)
         linear = SequenceParallelColumnLinear.apply if self.sequence_parallel else column_parallel_linear
-        qkv = linear(x, self.in_proj_weight, self.in_proj_bias, self.group)   # (b, s, h) @ (h, 3h/T): f first
+        qkv = linear(x, self.in_proj_weight, self.in_proj_bias, self.group)  # f; (b, s, h) @ (h, 3h/T) -> (b, s, 3h/T)
         q, k, v = (t.unflatten(-1, (self.local_heads, self.head_dim)).transpose(1, 2)  # (b, H/T, s, h/H) each
                    for t in qkv.chunk(3, -1))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # my heads only, no talking

@@ -50,7 +50,8 @@ def naive_vocab_cross_entropy(logits, target, group=None):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """loss = log sum_j exp(z_j - m) - (z_target - m) from my V/T logits z: three all-reduced numbers a token."""
+    """loss = log sum_j exp(z_j - m) - (z_target - m) from my V/T logits z: three all-reduced numbers a token.
+    Over the naive all-gather it buys 3 numbers a token sent for V, and no rank ever holds the [b, s, V] logits."""
 
     @staticmethod
     def forward(ctx, logits, target, group):
