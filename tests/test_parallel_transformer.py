@@ -36,7 +36,10 @@ def module_worker(kind, seed, T, batch, seq, heads_k, head_dim, causal, sp, reas
     if kind == "attention":
         dense = nn.MultiheadAttention(h, heads, batch_first=True, device=device(), dtype=F64)
         parallel = pt.ParallelAttention(h, heads, causal, **kw)
-        ref = lambda x: dense(x, x, x, attn_mask=mask, need_weights=False)[0]  # noqa: E731
+
+        def ref(x):
+            """nn.MultiheadAttention as self-attention: its output alone."""
+            return dense(x, x, x, attn_mask=mask, need_weights=False)[0]
     else:
         dense = pt.TransformerBlock(h, heads, causal, device=device(), dtype=F64)
         parallel = pt.ParallelTransformerBlock(h, heads, causal, **kw)
