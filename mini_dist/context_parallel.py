@@ -28,7 +28,6 @@ Mirrors torch.distributed.tensor.experimental.context_parallel (ring attention, 
 """
 import math
 import sys
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -39,8 +38,8 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
 from mini_dist import comm
 from mini_dist.kit import launch, references
 from mini_dist.kit.wire import isend_irecv, wait
-from mini_dist.sequence_layout import (CONTIGUOUS, LAYOUTS, SEQ_DIM, ZIGZAG, causal_tiles, check_inputs,
-                                       rank_order, reorder_chunks, split_sequence)
+from mini_dist.sequence_layout import (CONTIGUOUS, LAYOUTS, SCORES, SEQ_DIM, ZIGZAG, bytes_sent, causal_tiles,
+                                       check_inputs, rank_order, reorder_chunks, split_sequence)
 
 
 # ----- naive: gather all of K and V -----
@@ -48,14 +47,16 @@ from mini_dist.sequence_layout import (CONTIGUOUS, LAYOUTS, SEQ_DIM, ZIGZAG, cau
 def allgather_attention(q, k, v, causal=False, group=None, layout: str = ZIGZAG):
     """softmax(q K^T / sqrt(d)) V of my queries q [b, H, S/C, d] against the whole, gathered K and V."""
     check_inputs("allgather_attention", q, k, v, causal, layout, group)
-    C, me = dist.get_world_size(group), dist.get_rank(group)
-    k, v = (comm.gather_from_sp(t, group, SEQ_DIM) for t in (k, v))  # [b, H, S, d]; backward reduce-scatters
+    C = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    k = comm.gather_from_sp(k, group, SEQ_DIM)                       # [b, H, S, d]; backward reduce-scatters dK
+    v = comm.gather_from_sp(v, group, SEQ_DIM)                       # [b, H, S, d]
     s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])             # [b, H, S/C, S]: my rows of the scores
     if causal:  # the position of each gathered token; my queries are the me-th S/C of them
         where = reorder_chunks(torch.arange(k.shape[2], device=q.device), rank_order(C, layout), 0)
         s = s.masked_fill(where.view(C, -1)[me][:, None] < where[None, :], -math.inf)
     SCORES.record(s.shape, s.dtype)
-    return s.softmax(-1) @ v                                          # [b, H, S/C, d]
+    return s.softmax(-1) @ v                                          # [b, H, S/C, S] @ [b, H, S, d]
 
 
 # ----- ring attention: K/V blocks rotate, partial results merged by log-sum-exp. Over the naive version it buys
@@ -64,12 +65,14 @@ def allgather_attention(q, k, v, causal=False, group=None, layout: str = ZIGZAG)
 def _ring_pass(send, group):
     """Start sending `send` to the next rank and receiving the previous rank's; (buffer, posted) to wait on. One
     batch (the kit's wire): under NCCL a receive queued ahead of the send its neighbour waits for never ends."""
-    me, C = dist.get_rank(group), dist.get_world_size(group)
+    me = dist.get_rank(group)
+    C = dist.get_world_size(group)
     recv = torch.empty_like(send)
     return recv, isend_irecv(send, (me + 1) % C, recv, (me - 1) % C, group, "ring attention", "ring attention")
 
 
 def _arrived(pending):
+    """Wait for a hop that _ring_pass started; the block it brought."""
     recv, posted = pending
     for message in posted:
         wait(message)
@@ -77,7 +80,8 @@ def _arrived(pending):
 
 
 def _scores(q, k, diagonal):
-    s = (q / math.sqrt(q.shape[-1])) @ k.transpose(-2, -1)    # [b, H, Lq, Lk]: one tile, never S x S
+    """q K^T / sqrt(d) of one tile, the mask applied when the tile is a chunk against itself."""
+    s = (q / math.sqrt(q.shape[-1])) @ k.transpose(-2, -1)    # [b, H, Lq, d] @ [b, H, d, Lk]: one tile, never S x S
     if diagonal:                                               # one chunk against itself: query i sees keys <= i
         s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
     return s
@@ -90,7 +94,7 @@ def attend(q, k, v, diagonal):
     m = s.amax(-1, keepdim=True)                               # [b, H, Lq, 1]; every row sees a key
     p = s.sub_(m).exp_()                                       # in place: the tile is used once
     total = p.sum(-1, keepdim=True)
-    return (p @ v).div_(total), m + total.log()
+    return (p @ v).div_(total), m + total.log()               # [b, H, Lq, Lk] @ [b, H, Lk, d]; [b, H, Lq, 1]
 
 
 def merge(out, lse, block_out, block_lse):
@@ -105,21 +109,25 @@ def merge(out, lse, block_out, block_lse):
 
 def attend_backward(q, k, v, dout, lse, delta, diagonal):
     """One tile's share of dq, dk, dv; the probabilities are rebuilt from the forward's lse, not stored."""
-    p = _scores(q, k, diagonal).sub_(lse).exp_()               # exactly the forward's softmax weights
+    p = _scores(q, k, diagonal).sub_(lse).exp_()               # [b, H, Lq, Lk]: exactly the forward's weights
     ds = (dout @ v.transpose(-2, -1)).sub_(delta).mul_(p)    # softmax backward: p (dp - sum_j p dp)
     scale = 1 / math.sqrt(q.shape[-1])
     return (ds @ k).mul_(scale), (ds.transpose(-2, -1) @ q).mul_(scale), p.transpose(-2, -1) @ dout
 
 
 def _ring_forward(q, k, v, causal, layout, group):
-    me, C = dist.get_rank(group), dist.get_world_size(group)
+    """C steps: attend to the K/V block held, merge it in, while the next block travels."""
+    me = dist.get_rank(group)
+    C = dist.get_world_size(group)
     kv = torch.stack([k, v])                                   # one message a hop: [2, b, H, S/C, d]
-    out, lse = torch.zeros_like(q), q.new_full((*q.shape[:3], 1), -math.inf)
+    out = torch.zeros_like(q)                                  # [b, H, S/C, d]
+    lse = q.new_full((*q.shape[:3], 1), -math.inf)             # [b, H, S/C, 1]: no keys yet
     for step in range(C):                                      # at step s I hold rank (me - s)'s block
         pending = _ring_pass(kv, group) if step < C - 1 else None  # the next block travels meanwhile
+        block_k, block_v = kv
         for rows, cols, diagonal in causal_tiles(me, (me - step) % C, C, q.shape[2], causal, layout):
-            o, l = attend(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], diagonal)
-            out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
+            block_out, block_lse = attend(q[:, :, rows], block_k[:, :, cols], block_v[:, :, cols], diagonal)
+            out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         kv = _arrived(pending) if pending else kv
     return out, lse
 
@@ -131,22 +139,27 @@ def _ring_backward(q, k, v, out, lse, dout, causal, layout, group):
        dK/dV; add the accumulator of that block that the previous rank sent, and send the sum to the
        next rank, which computes that block at the next step.
     4. My own block last: my share, plus its accumulator, home after C-1 hops with every other rank's."""
-    me, C = dist.get_rank(group), dist.get_world_size(group)
+    me = dist.get_rank(group)
+    C = dist.get_world_size(group)
     delta = (dout * out).sum(-1, keepdim=True)                 # 1. sum_j p_ij dp_ij = dout_i . out_i
     dq = torch.zeros_like(q)
 
     def share(src, kv):
+        """My tiles against rank src's block: their dq added here; their dK, dV returned as one [2, ...]."""
+        block_k, block_v = kv
         dkv = torch.zeros_like(kv)
+        dk, dv = dkv                                           # views: adding into them adds into dkv
         for rows, cols, diagonal in causal_tiles(me, src, C, q.shape[2], causal, layout):
-            dq_t, dk_t, dv_t = attend_backward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                               dout[:, :, rows], lse[:, :, rows], delta[:, :, rows], diagonal)
-            dq[:, :, rows] += dq_t
-            dkv[0][:, :, cols] += dk_t
-            dkv[1][:, :, cols] += dv_t
+            dq_tile, dk_tile, dv_tile = attend_backward(q[:, :, rows], block_k[:, :, cols], block_v[:, :, cols],
+                                                        dout[:, :, rows], lse[:, :, rows], delta[:, :, rows], diagonal)
+            dq[:, :, rows] += dq_tile
+            dk[:, :, cols] += dk_tile
+            dv[:, :, cols] += dv_tile
         return dkv
 
     own = torch.stack([k, v])
-    pending, accumulator = (_ring_pass(own, group) if C > 1 else None), None  # 2.
+    pending = _ring_pass(own, group) if C > 1 else None       # 2.
+    accumulator = None
     for step in range(1, C):                                   # 3.
         kv = _arrived(pending)                                 # block of rank me - step
         pending = _ring_pass(kv, group) if step < C - 1 else None
@@ -157,7 +170,8 @@ def _ring_backward(q, k, v, out, lse, dout, causal, layout, group):
     dkv = share(me, own)                                       # 4.
     if accumulator:
         dkv += _arrived(accumulator)
-    return dq, dkv[0], dkv[1]
+    dk, dv = dkv
+    return dq, dk, dv
 
 
 class RingAttention(torch.autograd.Function):
@@ -170,7 +184,10 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        return *_ring_backward(*ctx.saved_tensors, dout.contiguous(), *ctx.args), None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, layout, group = ctx.args
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout.contiguous(), causal, layout, group)
+        return dq, dk, dv, None, None, None
 
 
 def ring_attention(q, k, v, causal=False, group=None, layout: str = ZIGZAG):
@@ -180,33 +197,8 @@ def ring_attention(q, k, v, causal=False, group=None, layout: str = ZIGZAG):
     return RingAttention.apply(q, k, v, causal, layout, group)
 
 
-# ----- guards and ledgers -----
+# ----------------------------------------------------------------------------- demo
 
-class ScoreLedger:
-    """Attention scores this rank computed (elements per batch and head) and its largest score tensor."""
-    elements = peak_bytes = 0
-
-    def reset(self) -> None:
-        self.elements = self.peak_bytes = 0
-
-    def record(self, shape, dtype) -> None:
-        self.elements += shape[-2] * shape[-1]
-        self.peak_bytes = max(self.peak_bytes, math.prod(shape) * dtype.itemsize)
-
-
-SCORES = ScoreLedger()
-
-
-def bytes_sent(group=None) -> int:
-    """Bytes this rank sent since comm.COUNTER.reset(). comm counts an all-gather by its output and a
-    reduce-scatter by its input, the whole D, of which each rank sends the (C-1)/C that others keep; ring
-    hops and all-to-alls it counts as sent."""
-    C, counted = dist.get_world_size(group), comm.COUNTER.bytes
-    return (counted["ring attention"] + counted["all_to_all"]
-            + (counted["all_gather"] + counted["reduce_scatter"]) * (C - 1) // C)
-
-
-# ----- demo -----
 
 def parser():
     p = launch.demo_parser(__doc__)
@@ -218,13 +210,15 @@ def parser():
 
 
 def rotation(full, layout=ZIGZAG) -> list[list[int]]:
-    """The ring as it ran: [rank][step] = whose K/V block that rank attended to at that forward step, found
-    by comparing the keys attend() was given with every rank's part of the whole K."""
+    """The ring as it ran: [rank][step] = whose K/V block that rank attended to at that forward step."""
     global attend
-    C, original, seen = dist.get_world_size(), attend, []
+    original = attend
+    C = dist.get_world_size()
     parts = reorder_chunks(full[1], rank_order(C, layout)).chunk(C, SEQ_DIM)  # rank r's part of K
+    seen = []
 
     def watched(q, k, v, diagonal):
+        """attend, noting whose part of the whole K it was given."""
         seen.append(next(r for r, part in enumerate(parts) if torch.equal(k, part)))
         return original(q, k, v, diagonal)
     attend = watched
@@ -241,41 +235,43 @@ def demo(args) -> int:
     launch.require(args.seq % (2 * C) == 0, f"--seq {args.seq} on {C} ranks: use a multiple of 2C = {2 * C} "
                                             f"(the zigzag layout cuts the sequence into 2C equal chunks)")
     env = launch.setup()
-    b, H, S, d = args.batch, args.heads, args.seq, args.head_dim
-    full = [torch.randn(b, H, S, d, dtype=torch.float64, device=env.device) for _ in range(4)]  # alike on all
+    full = [torch.randn(args.batch, args.heads, args.seq, args.head_dim, dtype=torch.float64, device=env.device)
+            for _ in range(4)]  # q, k, v, dout of the whole sequence, alike on every rank (setup seeds them)
+    b, H, S, d = full[0].shape
     K = b * S * H * d * 8
     sent = 2 * (C - 1) * K // C  # bytes each rank sends of K and V: every block but its own
     want = {"naive": (sent, sent), "ring": (sent, 2 * sent)}
     launch.print0(f"C={C} ranks, b={b} H={H} S={S} d={d}, fp64, |K| = b*S*H*d*8 = {K:,} B\n"
                   f"{'':13}| max |diff| out, dq, dk, dv | bytes each rank sent, fwd / bwd | formula, fwd / bwd")
-    worst, ledgers_ok, peak = 0.0, True, {}
+    worst = 0.0
+    ledgers_ok = True
+    peak = {}  # the largest score tensor, without the mask (whole tiles)
     for name, attention in (("naive", allgather_attention), ("ring", ring_attention)):
         for causal in (False, True):
             SCORES.reset()
             diff, fwd, bwd = references.against_sdpa(attention, full, causal, split_sequence, bytes_sent)
-            worst, ledgers_ok = max(worst, diff), ledgers_ok and (fwd, bwd) == want[name]
-            peak.setdefault(name, SCORES.peak_bytes)  # non-causal: whole tiles
-            launch.print0(f"{name + ' causal' * causal:13}| {diff:27.1e} | {fwd:>15,} / {bwd:<15,}| "
+            worst = max(worst, diff)
+            ledgers_ok = ledgers_ok and (fwd, bwd) == want[name]
+            peak.setdefault(name, SCORES.peak_bytes)
+            launch.print0(f"{name + (' causal' if causal else ''):13}| {diff:27.1e} | {fwd:>15,} / {bwd:<15,}| "
                           f"2(C-1)/C / {2 if name == 'naive' else 4}(C-1)/C |K|")
     launch.print0(f"largest score tensor per rank, bytes: ring {peak['ring']:,} = b*H*(S/C)^2*8, naive "
                   f"{peak['naive']:,} = b*H*S^2/C*8; one process {b * H * S * S * 8:,}")
     held = rotation(full)
-    rotates = held == [[(r - s) % C for s in range(C)] for r in range(C)]
     launch.print0("ring rotation, recorded: whose K/V block each rank attended to at each forward step (each "
                   "step passes it on to rank r+1)\n       " + "".join(f"{f'step {s}':>8}" for s in range(C)) +
                   "".join(f"\nrank {r:<2}" + "".join(f"{f'K/V {j}':>8}" for j in row) for r, row in enumerate(held)))
-    work = {}
+    work = {}  # causal ring: scores computed per rank and head, each layout
     for layout in LAYOUTS:
         SCORES.reset()
-        references.against_sdpa(partial(ring_attention, layout=layout), full, True,
-                                partial(split_sequence, layout=layout), bytes_sent)
+        ring_attention(*(split_sequence(t, layout=layout) for t in full[:3]), causal=True, layout=layout)
         work[layout] = comm.all_gather(torch.tensor([SCORES.elements], device=env.device), 0).tolist()
     balanced = work[CONTIGUOUS] == [(r + 1) * (S // C) ** 2 for r in range(C)] and \
         work[ZIGZAG] == [(2 * C + 1) * (S // C // 2) ** 2] * C
     launch.print0(f"causal ring, scores computed per rank and head (elements): contiguous {work[CONTIGUOUS]} = "
                   f"(r+1)(S/C)^2, zigzag {work[ZIGZAG]} = (2C+1)(S/2C)^2")
     return launch.conclude("context_parallel", worst < 1e-12, f"= F.scaled_dot_product_attention ({worst:.0e})",
-                           ledgers_ok and balanced and rotates,
+                           ledgers_ok and balanced and held == [[(r - s) % C for s in range(C)] for r in range(C)],
                            f"bytes = formulas; K/V rotate one rank a step; zigzag work {work[ZIGZAG][0]} on every rank")
 
 

@@ -45,10 +45,9 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
 from mini_dist.kit import launch
 from mini_dist.comm import COUNTER, SEQ, check_divisible
 from mini_dist.kit.measure import SavedTensors
-from mini_dist.tensor_parallel import (ParallelMLP, RowParallelLinear, SequenceParallelColumnLinear,
-                                       allreduce_sequence_parallel_grads, check_input, column_parallel_linear,
-                                       parameter, tp_size)
-from mini_dist.tp_layout import Layout, gather_to_dense, shard_from_dense
+from mini_dist.tensor_parallel import (ParallelMLP, RowParallelLinear, SequenceParallelColumnLinear, check_input,
+                                       column_parallel_linear, parameter, tp_size)
+from mini_dist.tp_layout import Layout, allreduce_sequence_parallel_grads, gather_to_dense, shard_from_dense
 
 
 class ParallelAttention(nn.Module):
@@ -64,8 +63,12 @@ class ParallelAttention(nn.Module):
             raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
         check_divisible("num_heads", num_heads, T, "each rank must own whole heads: pick num_heads a multiple "
                                                    "of T, or a T that divides num_heads")
-        self.hidden, self.local_heads, self.head_dim = hidden, num_heads // T, hidden // num_heads
-        self.causal, self.sequence_parallel, self.group = causal, sequence_parallel, group
+        self.hidden = hidden
+        self.local_heads = num_heads // T
+        self.head_dim = hidden // num_heads
+        self.causal = causal
+        self.sequence_parallel = sequence_parallel
+        self.group = group
         self.in_proj_weight = parameter((3 * hidden // T, hidden), hidden ** -0.5, device, dtype)
         self.in_proj_bias = parameter((3 * hidden // T,), hidden ** -0.5, device, dtype)
         self.tp_layout = {"in_proj_weight": Layout(0, parts=3), "in_proj_bias": Layout(0, parts=3)}
@@ -75,7 +78,7 @@ class ParallelAttention(nn.Module):
     def forward(self, x):
         check_input(self, x, self.hidden, self.sequence_parallel)
         linear = SequenceParallelColumnLinear.apply if self.sequence_parallel else column_parallel_linear
-        qkv = linear(x, self.in_proj_weight, self.in_proj_bias, self.group)     # (b, s, h) -> (b, s, 3h/T)
+        qkv = linear(x, self.in_proj_weight, self.in_proj_bias, self.group)  # f; (b, s, h) @ (h, 3h/T) -> (b, s, 3h/T)
         q, k, v = (t.unflatten(-1, (self.local_heads, self.head_dim)).transpose(1, 2)  # (b, H/T, s, h/H) each
                    for t in qkv.chunk(3, -1))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # my heads only, no talking
@@ -122,60 +125,49 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-# ----- what a layer moves and keeps: the demo, and questions 11 and 12 (mini_dist/questions/) -----
+# ----- what a layer moves and keeps, measured, beside the docstring's formulas -----
 
 Layer = namedtuple("Layer", "fwd bwd acts diff", defaults=[0.0])  # fwd, bwd: ({kind: calls}, payload bytes)
+Block = namedtuple("Block", "one tp sp b s h heads")  # the Layers of one rank alone, TP and TP + SP
 
 
-def _my_part(sp):
-    """This rank's part of a whole [b, s, h] tensor: its s/T tokens under sequence parallelism, else all."""
-    return (lambda t: t.chunk(dist.get_world_size(), SEQ)[dist.get_rank()]) if sp else (lambda t: t)
+def _my_part(t, sp):
+    """This rank's part of a whole [b, s, h] tensor: its s/T tokens under sequence parallelism, else all of it."""
+    return t.chunk(dist.get_world_size(), SEQ)[dist.get_rank()] if sp else t
 
 
 def _one_layer(block, dense, x, dy, sp, group):
     """Forward and backward of `block` on this rank's part of x (`dense` has run on all of x): what it
     communicates and keeps per rank, and its largest difference from dense (output, grad x, weight grads)."""
-    mine = _my_part(sp)
-    xin = mine(x.detach()).clone().requires_grad_()  # its own storage: a view would keep all of x alive
+    xin = _my_part(x.detach(), sp).clone().requires_grad_()  # its own storage: a view would keep all of x alive
     COUNTER.reset()
     with SavedTensors(exclude=block.parameters()) as saved:
         out = block(xin)
-    fwd = dict(COUNTER.calls), sum(COUNTER.bytes.values())
+    fwd = (dict(COUNTER.calls), sum(COUNTER.bytes.values()))
     COUNTER.reset()
-    out.backward(mine(dy))
-    bwd = dict(COUNTER.calls), sum(COUNTER.bytes.values())
+    out.backward(_my_part(dy, sp))
+    bwd = (dict(COUNTER.calls), sum(COUNTER.bytes.values()))
     allreduce_sequence_parallel_grads(block, group)
     gathered = gather_to_dense(block, copy.deepcopy(dense), group)
-    pairs = [(out, mine(dense(x))), (xin.grad, mine(x.grad))]
+    pairs = [(out, _my_part(dense(x), sp)), (xin.grad, _my_part(x.grad, sp))]
     pairs += [(p.grad, q.grad) for p, q in zip(gathered.parameters(), dense.parameters())]
     return Layer(fwd, bwd, saved.bytes, max((a - b).abs().max().item() for a, b in pairs))
-
-
-Block = namedtuple("Block", "one tp sp b s h heads")  # the Layers of one rank alone, TP and TP + SP
 
 
 def block_three_ways(b=2, s=16, h=32, heads=4) -> Block:
     """On every rank of the world: the dense TransformerBlock and its twin on one rank (a group of one), under
     TP and under TP + SP, forward and backward on the same fp64 [b, s, h] data."""
-    T, rank, dev, f64 = dist.get_world_size(), dist.get_rank(), launch.device(), torch.float64
+    dev = launch.device()
     torch.manual_seed(0)  # every rank: the same dense block and the same data
-    dense = TransformerBlock(h, heads, causal=True, device=dev, dtype=f64)
-    x, dy = torch.randn(2, b, s, h, device=dev, dtype=f64)
+    dense = TransformerBlock(h, heads, causal=True, device=dev, dtype=torch.float64)
+    x, dy = torch.randn(2, b, s, h, device=dev, dtype=torch.float64)
     dense(x.requires_grad_()).backward(dy)
-    alone = [launch.new_group([r]) for r in range(T)][rank]  # a group of one: the same layers, undivided
-    return Block(*[_one_layer(shard_from_dense(ParallelTransformerBlock(h, heads, True, sp, group, dev, f64), dense,
-                                               group), dense, x, dy, sp, group)
-                   for group, sp in [(alone, False), (None, False), (None, True)]], b, s, h, heads)
-
-
-def expected(block: Block) -> tuple[Layer, Layer]:
-    """The docstring's formulas for TP and TP + SP: collectives of one [b, s, h] activation each, and the
-    activations kept, from T=1's measured bytes: the layer norms' part whole under TP, everything 1/T with SP."""
-    T, D = dist.get_world_size(), 8 * block.b * block.s * block.h
-    talk = lambda **calls: (calls, D * sum(calls.values())) if T > 1 else ({}, 0)  # noqa: E731
-    tp_acts = (whole_activations(block) * (T - 1) + block.one.acts) // T
-    return (Layer(talk(all_reduce=2), talk(all_reduce=2), tp_acts),
-            Layer(talk(all_gather=2, reduce_scatter=2), talk(all_gather=4, reduce_scatter=2), block.one.acts // T))
+    alone = [launch.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]  # undivided layers
+    layers = []
+    for group, sp in [(alone, False), (None, False), (None, True)]:
+        block = ParallelTransformerBlock(h, heads, True, sp, group, dev, torch.float64)
+        layers.append(_one_layer(shard_from_dense(block, dense, group), dense, x, dy, sp, group))
+    return Block(*layers, b, s, h, heads)
 
 
 def whole_activations(block: Block) -> int:
@@ -184,29 +176,20 @@ def whole_activations(block: Block) -> int:
     return 8 * (4 * block.b * block.s * block.h + 4 * block.b * block.s)
 
 
-def all_reduces_per_layer(block: Block | None = None) -> tuple[str, bool]:
-    """Question 11: a transformer layer under TP all-reduces twice forward (g after attention, g after the MLP)
-    and twice backward (f before each), one [b, s, h] activation each time."""
-    block = block or block_three_ways()
-    (calls, nbytes), back, n = block.tp.fwd, block.tp.bwd, block.tp.fwd[0].get("all_reduce", 0)
-    return (f"a block b={block.b} s={block.s} h={block.h} on T = {dist.get_world_size()} (= dense to "
-            f"{block.tp.diff:.0e}): forward {n} all-reduces (g after attention, g after the MLP), backward "
-            f"{back[0].get('all_reduce', 0)} (f before each), {nbytes // max(n, 1):,} B = b*s*h*8 each"), \
-        block.tp.diff < 1e-12 and block.tp[:2] == expected(block)[0][:2]
+def expected(block: Block) -> tuple[Layer, Layer]:
+    """The docstring's formulas for TP and TP + SP: collectives of one [b, s, h] activation each, and the
+    activations kept, from T=1's measured bytes: the layer norms' part whole under TP, everything 1/T with SP."""
+    T = dist.get_world_size()
+
+    def talk(**calls):
+        """({kind: calls}, payload B) for collectives of one [b, s, h] fp64 activation each; none on one rank."""
+        return (calls, 8 * block.b * block.s * block.h * sum(calls.values())) if T > 1 else ({}, 0)
+    tp_acts = (whole_activations(block) * (T - 1) + block.one.acts) // T
+    return (Layer(talk(all_reduce=2), talk(all_reduce=2), tp_acts),
+            Layer(talk(all_gather=2, reduce_scatter=2), talk(all_gather=4, reduce_scatter=2), block.one.acts // T))
 
 
-def sequence_parallel_savings(block: Block | None = None) -> tuple[str, bool]:
-    """Question 12: SP keeps 1/T of every activation per rank, where TP keeps the layer norms' whole; its
-    collectives are the all-reduces' halves, plus an all-gather per column layer again in backward."""
-    block = block or block_three_ways()
-    one, tp, sp = block.one, block.tp, block.sp
-    words = lambda c: " + ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(c.items())) or "none"  # noqa: E731
-    return (f"a block b={block.b} s={block.s} h={block.h} on T = {dist.get_world_size()} (= dense to "
-            f"{max(one.diff, tp.diff, sp.diff):.0e}): activations saved for backward per rank {one.acts:,} B alone, "
-            f"{tp.acts:,} B = 1/{one.acts / tp.acts:.2f} under TP, {sp.acts:,} B = 1/{one.acts / sp.acts:.2f} with "
-            f"SP; forward TP {words(tp.fwd[0])}, SP {words(sp.fwd[0])} (same bytes on a ring); backward TP "
-            f"{words(tp.bwd[0])}, SP {words(sp.bwd[0])}"), \
-        max(one.diff, tp.diff, sp.diff) < 1e-12 and [tp[:3], sp[:3]] == [e[:3] for e in expected(block)]
+# ----------------------------------------------------------------------------- demo
 
 
 def _row(name, layer, one) -> str:
@@ -228,7 +211,10 @@ def parser():
 
 def demo(args) -> int:
     T = launch.env_world_size()
-    b, s, h, heads = args.batch, args.seq, args.hidden, args.heads
+    b = args.batch
+    s = args.seq
+    h = args.hidden
+    heads = args.heads
     launch.require(min(b, s, h, heads) >= 1, "--batch, --seq, --hidden and --heads must be at least 1")
     launch.require(h % heads == 0, f"--hidden {h} must be a multiple of --heads {heads}")
     launch.require(heads % T == 0 and s % T == 0, f"{T} ranks cannot split {heads} heads and {s} tokens "
@@ -256,14 +242,11 @@ def demo(args) -> int:
     want_params = kept_whole + (dense_params - kept_whole) // T
     launch.print0(f"parameters per rank {params:,} B = 1/{dense_params / params:.2f} of dense's {dense_params:,} B "
                   f"(formula: norms and row biases whole, the rest 1/T = {want_params:,} B)")
-    questions = [all_reduces_per_layer(block), sequence_parallel_savings(block)]
-    for number, (figure, _) in zip((11, 12), questions):
-        launch.print0(f"question {number}: {figure}")
-    figure_ok = all(holds for _, holds in questions) and params == want_params
-    return launch.conclude("parallel_transformer", worst < 1e-12, f"block = dense PyTorch ({worst:.0e})", figure_ok,
-                           f"{sum(block.tp.fwd[0].values())}+{sum(block.tp.bwd[0].values())} AR/layer, activations "
-                           f"per rank 1/{block.one.acts / block.tp.acts:.2f} of one rank's (TP), "
-                           f"1/{block.one.acts / block.sp.acts:.2f} (TP+SP)")
+    formulas_hold = [block.tp[:3], block.sp[:3]] == [want_tp[:3], want_sp[:3]] and params == want_params
+    return launch.conclude("parallel_transformer", worst < 1e-12, f"block = dense PyTorch ({worst:.0e})",
+                           formulas_hold, f"{sum(block.tp.fwd[0].values())}+{sum(block.tp.bwd[0].values())} "
+                           f"AR/layer, activations per rank 1/{block.one.acts / block.tp.acts:.2f} of one rank's "
+                           f"(TP), 1/{block.one.acts / block.sp.acts:.2f} (TP+SP)")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from mini_dist import checkpoint
 from mini_dist.kit import launch
 from mini_dist.checkpoint import Sharded
 from mini_dist.sharded_state import copy_settings, per_element, settings
-from mini_dist.tensor_parallel import Layout, layouts
+from mini_dist.tp_layout import Layout, layouts
 
 
 def flat_boxes(shape, a: int, b: int) -> list:

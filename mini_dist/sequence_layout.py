@@ -14,13 +14,15 @@ A layout is a permutation of the 2C (or C) chunks: put them in the ranks' order 
 the parts' gradients back in place), gather_sequence is its inverse (an all-gather stacks the parts in the
 ranks' order; the inverse permutation puts them back in the sequence's). causal_tiles says which tiles of
 (query chunk, key chunk) the mask leaves a rank against another's block; check_inputs is the guard every
-context-parallel attention runs first, so that a bad input fails on every rank alike.
+context-parallel attention runs first, so that a bad input fails on every rank alike; SCORES and bytes_sent are
+the ledgers they all count in (scores computed and held, bytes sent), so that ring and Ulysses compare alike.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/sequence_layout.py [--seq 16]
 
 Mirrors the head-tail load balancer of torch.distributed.tensor.experimental.context_parallel (zigzag) and
 Megatron-LM's context-parallel batch split.
 """
+import math
 import sys
 from pathlib import Path
 
@@ -31,9 +33,11 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import comm
 from mini_dist.kit import launch
+from mini_dist.kit.wire import global_rank
 
 SEQ_DIM = 2  # [batch, heads, seq, head_dim], the layout of F.scaled_dot_product_attention
-ZIGZAG, CONTIGUOUS = "zigzag", "contiguous"
+ZIGZAG = "zigzag"
+CONTIGUOUS = "contiguous"
 LAYOUTS = (ZIGZAG, CONTIGUOUS)
 
 
@@ -87,13 +91,14 @@ def causal_tiles(me, src, C, local_len, causal, layout):
     under the causal mask a tile is whole (query chunk after key chunk), diagonal (same chunk) or skipped."""
     if not causal:
         return [(slice(None), slice(None), False)]
-    mine, theirs = chunk_ids(me, C, layout), chunk_ids(src, C, layout)
+    mine = chunk_ids(me, C, layout)
+    theirs = chunk_ids(src, C, layout)
     L = local_len // len(mine)
     return [(slice(a * L, (a + 1) * L), slice(b * L, (b + 1) * L), qa == kb)
             for a, qa in enumerate(mine) for b, kb in enumerate(theirs) if qa >= kb]
 
 
-# ----- the guard every context-parallel attention runs first -----
+# ----- the guard every context-parallel attention runs first, and the ledgers they count in -----
 
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -101,7 +106,8 @@ DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 def check_inputs(name, q, k, v, causal, layout, group) -> None:
     """Every rank shares its inputs' shapes before anything moves, so a bad input raises the same error on
     every rank (naming the rank at fault) instead of leaving the others waiting in the ring."""
-    C, known = dist.get_world_size(group), layout in LAYOUTS
+    C = dist.get_world_size(group)
+    known = layout in LAYOUTS
     fits = known and q.dim() == 4 and q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype in DTYPES
     mine = torch.tensor([*(q.shape if q.dim() == 4 else [-1] * 4), causal, fits, LAYOUTS.index(layout) if known
                          else -1], device=q.device)
@@ -110,22 +116,51 @@ def check_inputs(name, q, k, v, causal, layout, group) -> None:
         everyone = mine.new_empty(C * mine.numel())
         dist.all_gather_single(everyone, mine, group=group)
     rows = everyone.view(C, -1).tolist()
-    rank = lambda r: dist.get_global_rank(group, r) if group is not None else r  # noqa: E731
     for r, m in enumerate(rows):
+        who = global_rank(group, r)
         if not m[5]:
-            raise ValueError(f"{name}: rank {rank(r)} passed q, k, v that are not all [batch, heads, seq/C, "
+            raise ValueError(f"{name}: rank {who} passed q, k, v that are not all [batch, heads, seq/C, "
                              f"head_dim] of one shape and one dtype of {DTYPES}, or a layout not in {LAYOUTS}")
         if m != rows[0]:
-            raise ValueError(f"{name}: ranks disagree: rank {rank(0)} has [b, H, S/C, d] = {rows[0][:4]}, "
-                             f"causal={bool(rows[0][4])}, {LAYOUTS[rows[0][6]]}; rank {rank(r)} has {m[:4]}, "
-                             f"causal={bool(m[4])}, {LAYOUTS[m[6]]}: every rank holds an equal part of one "
+            raise ValueError(f"{name}: ranks disagree: rank {global_rank(group, 0)} has [b, H, S/C, d] = "
+                             f"{rows[0][:4]}, causal={bool(rows[0][4])}, {LAYOUTS[rows[0][6]]}; rank {who} has "
+                             f"{m[:4]}, causal={bool(m[4])}, {LAYOUTS[m[6]]}: every rank holds an equal part of one "
                              f"sequence (split_sequence cuts it so)")
     if rows[0][2] == 0 or (causal and rows[0][2] % len(chunk_ids(0, C, layout))):
         raise ValueError(f"{name}: local sequence length {rows[0][2]} cannot be the {layout} part of a sequence: "
                          f"it holds {len(chunk_ids(0, C, layout))} equal chunks; cut the sequence with split_sequence")
 
 
-# ----- demo -----
+class ScoreLedger:
+    """Attention scores this rank computed (elements per batch and head) and its largest score tensor."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.elements = 0
+        self.peak_bytes = 0
+
+    def record(self, shape, dtype) -> None:
+        self.elements += shape[-2] * shape[-1]
+        self.peak_bytes = max(self.peak_bytes, math.prod(shape) * dtype.itemsize)
+
+
+SCORES = ScoreLedger()
+
+
+def bytes_sent(group=None) -> int:
+    """Bytes this rank sent since comm.COUNTER.reset(). comm counts an all-gather by its output and a
+    reduce-scatter by its input, the whole D, of which each rank sends the (C-1)/C that others keep; ring
+    hops and all-to-alls it counts as sent."""
+    C = dist.get_world_size(group)
+    counted = comm.COUNTER.bytes
+    return (counted["ring attention"] + counted["all_to_all"]
+            + (counted["all_gather"] + counted["reduce_scatter"]) * (C - 1) // C)
+
+
+# ----------------------------------------------------------------------------- demo
+
 
 def parser():
     p = launch.demo_parser(__doc__)
@@ -144,7 +179,8 @@ def torch_head_tail(x):
 
 
 def demo(args) -> int:
-    C, S = launch.env_world_size(), args.seq
+    C = launch.env_world_size()
+    S = args.seq
     launch.require(S > 0 and S % (2 * C) == 0, f"--seq {S} on {C} ranks: use a positive multiple of 2C = "
                                                f"{2 * C} (the zigzag layout cuts the sequence into 2C chunks)")
     env = launch.setup()
@@ -154,7 +190,8 @@ def demo(args) -> int:
             CONTIGUOUS: ([r * L[CONTIGUOUS] ** 2 + L[CONTIGUOUS] * (L[CONTIGUOUS] + 1) // 2 for r in range(C)],
                          "r*L^2 + L(L+1)/2, L = S/C")}
     launch.print0(f"S={S} on C={C} ranks: the positions each rank holds; causal (query, key) pairs per rank")
-    inverse, formulas = True, True
+    inverse = True
+    formulas = True
     for layout in LAYOUTS:
         part = split_sequence(x, layout=layout)
         (part * (env.rank + 1)).sum().backward()  # rank r's part gets gradient r + 1, in place

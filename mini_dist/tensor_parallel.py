@@ -22,8 +22,8 @@ naive MLP sends 15(T-1)/T*D, Megatron's 4(T-1)/T*D (and naive computes GeLU on a
 sequence_parallel=True (Korthikanti et al. 2022; its lesson is in parallel_transformer.py) does each all-reduce
 as its halves: a row layer reduce-scatters its output along the sequence, a column layer all-gathers its input
 (again in backward, rather than keep it). Whole parameters that see s/T tokens (a row bias, layer norms) then
-hold partial gradients: `allreduce_sequence_parallel_grads` sums them before the optimizer step. Which slice of
-each parameter a rank holds, and the move between a dense module and its parallel twin: mini_dist/tp_layout.py.
+hold partial gradients, which tp_layout.allreduce_sequence_parallel_grads sums before the optimizer step. Which
+slice of each parameter a rank holds, and the move between a dense module and its parallel twin: tp_layout.py.
 
 Demo (the MLP both ways against nn.Sequential: max difference, collectives and bytes per rank):
 
@@ -44,9 +44,9 @@ import torch.nn.functional as F
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.kit import launch
-from mini_dist.comm import (COUNTER, SEQ, agree, all_gather, all_reduce, check_divisible, f, g, gather_from_tp,
-                            reduce_scatter, reduce_scatter_to_sp, split_to_tp)
-from mini_dist.tp_layout import Layout, gather_to_dense, layouts, shard_from_dense
+from mini_dist.comm import (COUNTER, SEQ, agree, all_gather, check_divisible, f, g, gather_from_tp, reduce_scatter,
+                            reduce_scatter_to_sp, split_to_tp)
+from mini_dist.tp_layout import Layout, gather_to_dense, shard_from_dense
 
 
 # ----- the idea: Megatron's MLP, column-parallel -> GeLU -> row-parallel (shapes for the MLP's h -> 4h -> h) -----
@@ -81,7 +81,8 @@ def naive_parallel_mlp(hidden, ffn_hidden=None, group=None, device=None, dtype=N
 
 class ParallelMLP(nn.Sequential):
     """Megatron's cut: column-parallel -> GeLU -> row-parallel, one f and one g for two matmuls; GeLU is
-    elementwise, so it needs no one else's columns. Parameter names are those of the dense nn.Sequential."""
+    elementwise, so it needs no one else's columns. Over the naive cut it buys 4(T-1)/T*D sent per rank for
+    15(T-1)/T*D, and GeLU on 4h/T columns, not all 4h. Parameter names are those of the dense nn.Sequential."""
 
     def __init__(self, hidden, ffn_hidden=None, sequence_parallel=False, group=None, device=None, dtype=None):
         kw = dict(sequence_parallel=sequence_parallel, group=group, device=device, dtype=dtype)
@@ -100,8 +101,10 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         T = tp_size(group)
         check_divisible("out_features", out_features, T, "pick a size that is a multiple of T")
-        self.in_features, self.group = in_features, group
-        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.in_features = in_features
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
+        self.group = group
         self.weight = parameter((out_features // T, in_features), in_features ** -0.5, device, dtype)
         self.bias = parameter((out_features // T,), in_features ** -0.5, device, dtype) if bias else None
         self.tp_layout = {"weight": Layout(0), "bias": Layout(0)}
@@ -122,8 +125,11 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         T = tp_size(group)
         check_divisible("in_features", in_features, T, "pick a size that is a multiple of T")
-        self.in_features, self.local_in, self.group = in_features, in_features // T, group
-        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.in_features = in_features
+        self.local_in = in_features // T
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        self.group = group
         self.weight = parameter((out_features, in_features // T), in_features ** -0.5, device, dtype)
         self.bias = parameter((out_features,), in_features ** -0.5, device, dtype) if bias else None
         self.tp_layout = {"weight": Layout(1), "bias": Layout(partial_grad=sequence_parallel)}
@@ -145,7 +151,8 @@ class SequenceParallelColumnLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group = group
+        ctx.has_bias = bias is not None
         return F.linear(all_gather(x, SEQ, group), weight, bias)  # (b, s/T, in) -> (b, s, in) -> (b, s, out/T)
 
     @staticmethod
@@ -154,25 +161,15 @@ class SequenceParallelColumnLinear(torch.autograd.Function):
         whole = all_gather(x, SEQ, ctx.group).flatten(0, -2)      # (b*s, in), gathered again
         grad_x = reduce_scatter(grad @ weight, SEQ, ctx.group)   # sum the partial grads, keep my tokens
         grad_2d = grad.flatten(0, -2)                            # (b*s, out/T)
-        return grad_x, grad_2d.T @ whole, grad_2d.sum(0) if ctx.has_bias else None, None
+        grad_weight = grad_2d.T @ whole                          # (out/T, b*s) @ (b*s, in) -> (out/T, in)
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None
 
 
 def sequence_parallel_row_linear(x, weight, bias, group=None):
     """row_parallel_linear keeping my s/T tokens of the sum: a reduce-scatter along the sequence (for g)."""
     y = reduce_scatter_to_sp(F.linear(x, weight), group)  # (b, s, 4h/T) @ (4h/T, h) -> (b, s, h) -> (b, s/T, h)
     return y if bias is None else y + bias
-
-
-def allreduce_sequence_parallel_grads(module, group=None) -> None:
-    """Under SP, layer norms and row-parallel biases see only s/T tokens per rank: sum their gradients over
-    the group (one all-reduce for all of them) before the optimizer step."""
-    named = dict(module.named_parameters())
-    params = [named[n] for n, layout in layouts(module).items()
-              if layout.partial_grad and n in named and named[n].grad is not None]
-    if params:
-        flat = all_reduce(torch.cat([p.grad.flatten() for p in params]), group)
-        for p, grad in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(grad.view_as(p))
 
 
 # ----- the guards -----
@@ -200,47 +197,40 @@ def check_input(layer: nn.Module, x, features: int, sequence_parallel: bool = Fa
         raise ValueError(f"sequence parallel needs [batch, seq/T, hidden] inputs, got {tuple(x.shape)}")
 
 
-# ----- what a step moves: the demo, and question 10 (mini_dist/questions/) -----
+# ----------------------------------------------------------------------------- demo
+
+
+RING_SENDS = {"all_gather": 1, "all_reduce": 2}  # payloads of (T-1)/T that a ring sends per rank, per collective
+
+
+def _tally(T):
+    """What COUNTER counted since its reset, then reset: ({kind: calls}, payload B, B a ring sends per rank)."""
+    ring = sum(RING_SENDS[kind] * (T - 1) / T * nbytes for kind, nbytes in COUNTER.bytes.items())
+    counted = (dict(COUNTER.calls), sum(COUNTER.bytes.values()), ring)
+    COUNTER.reset()
+    return counted
+
 
 def mlp_step_counted(build, b, s, h, group=None):
     """The dense MLP h -> 4h -> h and build(h), its parallel twin, forward and backward on the same fp64 [b, s, h]
-    data: for forward, then backward, ({kind: calls}, payload B, B a ring sends per rank: k(T-1)/T payloads),
-    then max |parallel - dense| over the output, grad x and the weight grads."""
-    T, dev, f64, ring = dist.get_world_size(group), launch.device(), torch.float64, {"all_gather": 1, "all_reduce": 2}
+    data: _tally() of forward, then of backward, then max |parallel - dense| over the output, grad x and the
+    weight grads."""
+    dev = launch.device()
     torch.manual_seed(b * s * h)  # every rank: the same dense MLP and the same data
-    dense = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)).to(dev, f64)
-    x, dy = torch.randn(2, b, s, h, device=dev, dtype=f64)
+    dense = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)).to(dev, torch.float64)
+    x, dy = torch.randn(2, b, s, h, device=dev, dtype=torch.float64)
     dense(x.requires_grad_()).backward(dy)
-    mlp = shard_from_dense(build(h, group=group, device=dev, dtype=f64), dense, group)
+    mlp = shard_from_dense(build(h, group=group, device=dev, dtype=torch.float64), dense, group)
     xin = x.detach().requires_grad_()
-
-    def tally():
-        counted = (dict(COUNTER.calls), sum(COUNTER.bytes.values()),
-                   sum(ring[k] * (T - 1) / T * n for k, n in COUNTER.bytes.items()))
-        COUNTER.reset()
-        return counted
     COUNTER.reset()
     out = mlp(xin)
-    fwd = tally()
+    fwd = _tally(dist.get_world_size(group))
     out.backward(dy)
-    bwd = tally()
-    pairs = [(out, dense(x)), (xin.grad, x.grad)] + [(p.grad, q.grad) for p, q in zip(
-        gather_to_dense(mlp, copy.deepcopy(dense), group).parameters(), dense.parameters())]
+    bwd = _tally(dist.get_world_size(group))
+    gathered = gather_to_dense(mlp, copy.deepcopy(dense), group)
+    pairs = [(out, dense(x)), (xin.grad, x.grad)]
+    pairs += [(p.grad, q.grad) for p, q in zip(gathered.parameters(), dense.parameters())]
     return fwd, bwd, max((a - c).abs().max().item() for a, c in pairs)
-
-
-def tensor_parallel_traffic(hidden=32, group=None) -> tuple[str, bool]:
-    """Question 10, on every rank of `group`: a Megatron MLP's bytes per step grow with the tokens (2 x 8,
-    then 4 x 8), where data parallelism would all-reduce the same gradient bytes whatever the batch."""
-    T, h = dist.get_world_size(group), hidden
-    (f2, b2, d2), (f4, b4, d4) = (mlp_step_counted(ParallelMLP, b, 8, h, group) for b in (2, 4))
-    payload, calls, worst = {2: f2[1] + b2[1], 4: f4[1] + b4[1]}, sum(f2[0].values()) + sum(b2[0].values()), \
-        max(d2, d4)
-    grads = 8 * (8 * h * h + 5 * h)  # the dense MLP's fp64 gradients: two [4h, h] weights and their biases
-    return (f"MLP {h} -> {4 * h} -> {h} on T = {T} (= dense to {worst:.0e}): {calls} all-reduces of activations "
-            f"per step, payload {payload[2]:,} B at 2 x 8 tokens, {payload[4]:,} B at 4 x 8: TP's bytes grow with "
-            f"the tokens, where data parallelism all-reduces this layer's {grads:,} B of gradients once per step "
-            f"whatever the batch"), worst < 1e-12 and payload[4] == 2 * payload[2] and calls == 2 * (T > 1)
 
 
 def parser():
@@ -253,31 +243,36 @@ def parser():
 
 def demo(args) -> int:
     T = launch.env_world_size()
-    b, s, h = args.batch, args.seq, args.hidden
-    launch.require(min(b, s, h) >= 1, "--batch, --seq and --hidden must be at least 1")
-    launch.require(h % T == 0, f"--hidden {h} cannot be cut into {T} equal slices: pick a multiple of {T}")
+    launch.require(min(args.batch, args.seq, args.hidden) >= 1, "--batch, --seq and --hidden must be at least 1")
+    launch.require(args.hidden % T == 0, f"--hidden {args.hidden} cannot be cut into {T} equal slices: pick a "
+                                         f"multiple of {T}")
     launch.setup()
+    b = args.batch
+    s = args.seq
+    h = args.hidden
     D = b * s * h * 8  # bytes of one [b, s, h] fp64 activation: the formulas of the docstring
     want = {"naive": (({"all_gather": 2}, 5 * D), ({"all_reduce": 2}, 5 * D)),
             "Megatron": (({"all_reduce": 1}, D), ({"all_reduce": 1}, D))}
     launch.print0(f"MLP {h} -> {4 * h} -> {h}, b={b} s={s} fp64, T={T}; D = b*s*h*8 = {D:,} B, one activation\n"
                   f"{'per rank':9}{'forward: calls, payload':>26}  {'backward: calls, payload':>26}"
                   f"{'a ring sends, B':>17}   formula, B")
-    worst, counted_ok, sent = 0.0, True, {}
+    worst = 0.0
+    counted_ok = True
+    sent = {}
     for name, build, k in [("naive", naive_parallel_mlp, 15), ("Megatron", ParallelMLP, 4)]:
         fwd, bwd, diff = mlp_step_counted(build, b, s, h)
-        sent[name], worst = fwd[2] + bwd[2], max(worst, diff)
+        sent[name] = fwd[2] + bwd[2]
+        worst = max(worst, diff)
         counted_ok &= (fwd[:2], bwd[:2]) == (want[name] if T > 1 else (({}, 0), ({}, 0)))
         talk = [" + ".join(f"{n} {kind}" for kind, n in c[0].items()) + f", {c[1] // D}D" if c[0] else "-"
                 for c in (fwd, bwd)]
         launch.print0(f"{name:9}{talk[0]:>26}  {talk[1]:>26}{sent[name]:>17,.0f}   "
                       f"{k}(T-1)/T*D = {k * (T - 1) / T * D:,.0f}")
-    traffic, traffic_ok = tensor_parallel_traffic()
-    launch.print0(f"max |parallel - dense| (output, grad x, weight grads) = {worst:.1e}\nquestion 10: {traffic}")
+    launch.print0(f"max |parallel - dense| (output, grad x, weight grads) = {worst:.1e}")
     figure = (f"Megatron sends 1/{sent['naive'] / sent['Megatron']:.2f} of naive's bytes per rank (4 vs 15 "
               f"(T-1)/T*D)" if T > 1 else "one rank: nothing to send")
-    return launch.conclude("tensor_parallel", worst < 1e-12, f"MLP = dense PyTorch ({worst:.0e})",
-                           counted_ok and traffic_ok, figure)
+    return launch.conclude("tensor_parallel", worst < 1e-12, f"MLP = dense PyTorch ({worst:.0e})", counted_ok,
+                           figure)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ Parameter, so a fresh nn.Parameter assigned to `.weight` keeps it):
     Layout(dim, parts=3)   slice i of each part         a stacked [W_q; W_k; W_v]: each rank its heads of q, k, v
     Layout()               whole on every rank          a row layer's bias, layer norms
     Layout(partial_grad)   whole, gradient partial      the same under sequence parallelism: s/T tokens each
+                                                        (allreduce_sequence_parallel_grads sums them)
 
 With it, one pair of functions moves any model between its dense and its parallel form:
 
@@ -36,7 +37,7 @@ import torch.nn as nn
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.kit import launch
-from mini_dist.comm import all_gather, split
+from mini_dist.comm import all_gather, all_reduce, split
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,11 @@ class Layout:
 
 def layouts(module: nn.Module) -> dict[str, Layout]:
     """{parameter name in module: Layout} from every submodule's `tp_layout`; a name absent is whole."""
-    return {prefix + "." * bool(prefix) + name: layout for prefix, m in module.named_modules()
-            for name, layout in getattr(m, "tp_layout", {}).items()}
+    found = {}
+    for prefix, m in module.named_modules():
+        for name, layout in getattr(m, "tp_layout", {}).items():
+            found[f"{prefix}.{name}" if prefix else name] = layout
+    return found
 
 
 def _along(t, layout: Layout, collective, group):
@@ -66,7 +70,8 @@ def _along(t, layout: Layout, collective, group):
 
 def _pairs(parallel, dense):
     """(parallel parameter, its layout, the dense parameter of the same name), for every parameter."""
-    full, where = dict(dense.named_parameters()), layouts(parallel)
+    full = dict(dense.named_parameters())
+    where = layouts(parallel)
     for name, p in parallel.named_parameters():
         if name not in full:
             raise ValueError(f"the dense module has no parameter {name!r}: build the parallel module "
@@ -101,7 +106,20 @@ def gather_to_dense(parallel, dense, group=None):
     return dense
 
 
-# ----- demo -----
+def allreduce_sequence_parallel_grads(module, group=None) -> None:
+    """Under sequence parallelism, layer norms and row-parallel biases see only s/T tokens per rank: sum the
+    gradients of every partial_grad parameter over the group (one all-reduce for all) before the optimizer step."""
+    named = dict(module.named_parameters())
+    params = [named[n] for n, layout in layouts(module).items()
+              if layout.partial_grad and n in named and named[n].grad is not None]
+    if params:
+        flat = all_reduce(torch.cat([p.grad.flatten() for p in params]), group)
+        for p, grad in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(grad.view_as(p))
+
+
+# ----------------------------------------------------------------------------- demo
+
 
 class ShardedPair(nn.Module):
     """nn.Sequential(nn.Linear(h, 3h), nn.Linear(h, h))'s parameters as T ranks hold them in attention: the
@@ -121,7 +139,8 @@ def parser():
 
 
 def demo(args) -> int:
-    T, h = launch.env_world_size(), args.hidden
+    T = launch.env_world_size()
+    h = args.hidden
     launch.require(h >= 1 and h % T == 0, f"--hidden {h} cannot be cut into {T} equal slices: pick a multiple "
                                           f"of {T}")
     dev = launch.setup().device
@@ -137,10 +156,15 @@ def demo(args) -> int:
                   f"  {'parameter':10}{'shape':>10}{'bytes/rank':>12}   slice")
     for name, p in pair.named_parameters():
         layout = where.get(name, Layout())
-        cut = "whole" if layout.dim is None else f"slice r of {T} along dim {layout.dim}" + \
-            f" in each of its {layout.parts} parts" * (layout.parts > 1)
+        if layout.dim is None:
+            cut = "whole"
+        elif layout.parts > 1:
+            cut = f"slice r of {T} along dim {layout.dim} in each of its {layout.parts} parts"
+        else:
+            cut = f"slice r of {T} along dim {layout.dim}"
         launch.print0(f"  {name:10}{str(tuple(p.shape)):>10}{p.nbytes:>12,}   {cut}")
-    mine, whole = sum(p.nbytes for p in pair.parameters()), sum(p.nbytes for p in dense.parameters())
+    mine = sum(p.nbytes for p in pair.parameters())
+    whole = sum(p.nbytes for p in dense.parameters())
     want = (whole - 8 * h) // T + 8 * h  # all but the projection's bias is cut T ways
     launch.print0(f"per rank {mine:,} B of the dense model's {whole:,} B (formula: cut bytes / T + whole bytes = "
                   f"{want:,} B)")

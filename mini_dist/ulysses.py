@@ -34,9 +34,9 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import comm
 from mini_dist.kit import launch, references
-from mini_dist.context_parallel import SCORES, bytes_sent, ring_attention
-from mini_dist.sequence_layout import (CONTIGUOUS, SEQ_DIM, ZIGZAG, check_inputs, rank_order, reorder_chunks,
-                                       split_sequence, to_position_order)
+from mini_dist.context_parallel import ring_attention
+from mini_dist.sequence_layout import (CONTIGUOUS, SCORES, SEQ_DIM, ZIGZAG, bytes_sent, check_inputs, rank_order,
+                                       reorder_chunks, split_sequence, to_position_order)
 
 HEAD_DIM = 1  # [batch, heads, seq, head_dim]
 
@@ -45,20 +45,22 @@ def ulysses_attention(q, k, v, causal=False, group=None, layout: str = ZIGZAG):
     """F.scaled_dot_product_attention(q, k, v, is_causal=causal) on the whole sequence, this rank's part of it
     (q, k, v [b, H, S/C, d] as split_sequence cuts them), computed on H/C whole heads over the whole sequence."""
     check_inputs("ulysses_attention", q, k, v, causal, layout, group)
-    C, H = dist.get_world_size(group), q.shape[HEAD_DIM]
+    C = dist.get_world_size(group)
+    H = q.shape[HEAD_DIM]
     if H % C:  # every rank raises: check_inputs made sure they all hold the same shape
         raise ValueError(f"ulysses_attention: {H} heads cannot be split over {C} ranks: Ulysses gives each rank "
                          f"H/C whole heads; use a context-parallel size that divides {H}, or ring_attention")
     layout = layout if causal else CONTIGUOUS                  # without the mask the keys' order does not matter
-    q, k, v = (to_position_order(comm.all_to_all(t, HEAD_DIM, SEQ_DIM, group), C, layout)
-               for t in (q, k, v))                             # [b, H, S/C, d] -> [b, H/C, S, d], in order
-    SCORES.record((*q.shape[:3], k.shape[2]), q.dtype)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    q, k, v = (comm.all_to_all(t, HEAD_DIM, SEQ_DIM, group) for t in (q, k, v))  # [b, H, S/C, d] -> [b, H/C, S, d]
+    q, k, v = (to_position_order(t, C, layout) for t in (q, k, v))  # the chunks in the sequence's order, for the mask
+    SCORES.record((*q.shape[:3], k.shape[2]), q.dtype)         # [b, H/C, S, S]: whole rows, for H/C heads
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # [b, H/C, S, d]: my heads, no talking
     out = reorder_chunks(out, rank_order(C, layout))           # back to the ranks' order
     return comm.all_to_all(out, SEQ_DIM, HEAD_DIM, group)      # [b, H/C, S, d] -> [b, H, S/C, d]
 
 
-# ----- demo -----
+# ----------------------------------------------------------------------------- demo
+
 
 def parser():
     p = launch.demo_parser(__doc__)
@@ -69,28 +71,6 @@ def parser():
     return p
 
 
-def ring_vs_ulysses(b=1, H=4, S=32, d=8) -> tuple[str, bool]:
-    """How attention runs when no rank holds the whole sequence, on the ranks of the world: causal ring
-    attention and Ulysses against F.scaled_dot_product_attention on the whole sequence, each one's largest
-    score tensor and the bytes each rank sent forward, against the formulas. (figure, holds)."""
-    C, dev, K, seen = dist.get_world_size(), launch.device(), b * S * H * d * 8, {}
-    full = [torch.randn(b, H, S, d, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).to(dev)
-            for seed in range(4)]  # the same whole sequence on every rank
-    for name, attention in (("ring", ring_attention), ("Ulysses", ulysses_attention)):
-        SCORES.reset()
-        diff, forward, _ = references.against_sdpa(attention, full, True, split_sequence, bytes_sent)
-        seen[name] = (diff, forward, SCORES.peak_bytes)
-    worst = comm.all_reduce(torch.tensor([max(s[0] for s in seen.values())], dtype=torch.float64, device=dev),
-                            op=dist.ReduceOp.MAX).item()
-    whole = b * H * S * S * 8
-    return (f"S = {S} tokens, {S // C} per rank on C = {C} (zigzag), causal: ring attention and Ulysses = "
-            f"scaled_dot_product_attention on the whole sequence to {worst:.0e}; largest score tensor per rank: "
-            f"ring {seen['ring'][2]:,} B = 1/{whole // seen['ring'][2]} of the whole S x S, Ulysses "
-            f"{seen['Ulysses'][2]:,} B (S x S for H/C heads); bytes each rank sent forward: ring {seen['ring'][1]:,}"
-            f" = 2(C-1)/C |K|, Ulysses {seen['Ulysses'][1]:,} = 4(C-1)/C^2 |K|"), \
-        worst < 1e-12 and seen["ring"][1] == 2 * (C - 1) * K // C and seen["Ulysses"][1] == 4 * (C - 1) * K // C ** 2
-
-
 def demo(args) -> int:
     C = launch.env_world_size()
     launch.require(min(args.seq, args.heads, args.head_dim, args.batch) > 0, "sizes must be positive")
@@ -99,27 +79,37 @@ def demo(args) -> int:
     launch.require(args.heads % C == 0, f"--heads {args.heads} on {C} ranks: use a multiple of {C} (Ulysses "
                                         f"gives each rank H/C whole heads)")
     env = launch.setup()
-    b, H, S, d = args.batch, args.heads, args.seq, args.head_dim
-    full = [torch.randn(b, H, S, d, dtype=torch.float64, device=env.device) for _ in range(4)]  # alike on all
+    full = [torch.randn(args.batch, args.heads, args.seq, args.head_dim, dtype=torch.float64, device=env.device)
+            for _ in range(4)]  # q, k, v, dout of the whole sequence, alike on every rank (setup seeds them)
+    b, H, S, d = full[0].shape
     K = b * S * H * d * 8
     want = {"Ulysses": (4 * (C - 1) * K // C ** 2,) * 2, "ring": (2 * (C - 1) * K // C, 4 * (C - 1) * K // C)}
     formula = {"Ulysses": "4(C-1)/C^2 / 4(C-1)/C^2 |K|", "ring": "2(C-1)/C / 4(C-1)/C |K|"}
     launch.print0(f"C={C} ranks, b={b} H={H} S={S} d={d}, fp64, |K| = b*S*H*d*8 = {K:,} B\n"
                   f"{'':16}| max |diff| out, dq, dk, dv | bytes each rank sent, fwd / bwd | formula, fwd / bwd")
-    worst, ledgers_ok, sent = 0.0, True, {}
+    worst = 0.0
+    ledgers_ok = True
+    sent = {}
+    peak = {}  # the largest score tensor, without the mask
     for name, attention in (("Ulysses", ulysses_attention), ("ring", ring_attention)):
         for causal in (False, True):
+            SCORES.reset()
             diff, fwd, bwd = references.against_sdpa(attention, full, causal, split_sequence, bytes_sent)
-            worst, ledgers_ok = max(worst, diff), ledgers_ok and (fwd, bwd) == (want[name] if C > 1 else (0, 0))
+            worst = max(worst, diff)
+            ledgers_ok = ledgers_ok and (fwd, bwd) == (want[name] if C > 1 else (0, 0))
             sent[name] = fwd, bwd
-            launch.print0(f"{name + ' causal' * causal:16}| {diff:27.1e} | {fwd:>15,} / {bwd:<15,}| {formula[name]}")
+            peak.setdefault(name, SCORES.peak_bytes)
+            launch.print0(f"{name + (' causal' if causal else ''):16}| {diff:27.1e} | {fwd:>15,} / {bwd:<15,}| "
+                          f"{formula[name]}")
     if C > 1:
         launch.print0(f"ring / Ulysses bytes: forward {sent['ring'][0] / sent['Ulysses'][0]:g} = C/2, backward "
                       f"{sent['ring'][1] / sent['Ulysses'][1]:g} = C")
-    figure, holds = ring_vs_ulysses(b, H, S, d)
-    launch.print0(figure)
+    scores_ok = peak == {"Ulysses": b * H // C * S * S * 8, "ring": b * H * (S // C) ** 2 * 8}
+    launch.print0(f"largest score tensor per rank, bytes: Ulysses {peak['Ulysses']:,} = b*(H/C)*S^2*8, ring "
+                  f"{peak['ring']:,} = b*H*(S/C)^2*8; one process {b * H * S * S * 8:,}")
     return launch.conclude("ulysses", worst < 1e-12, f"= F.scaled_dot_product_attention ({worst:.0e})",
-                           ledgers_ok and holds, "bytes = formulas: 4(C-1)/C^2 |K| each way, ring C/2 and C times more")
+                           ledgers_ok and scores_ok,
+                           "bytes = formulas: 4(C-1)/C^2 |K| each way, ring C/2 and C times more")
 
 
 if __name__ == "__main__":

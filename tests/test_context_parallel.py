@@ -98,15 +98,15 @@ def attention_case(attention, ranks, causal, layout, shape, seed):
     want = reference(q, k, v, dout, causal)
     mine = [sl.split_sequence(t, group, layout).requires_grad_() for t in (q, k, v)]
     comm.COUNTER.reset()
-    cp.SCORES.reset()
+    sl.SCORES.reset()
     out = attention(*mine, causal=causal, group=group, layout=layout)
-    forward, scores = cp.bytes_sent(group), cp.SCORES.elements
+    forward, scores = sl.bytes_sent(group), sl.SCORES.elements
     comm.COUNTER.reset()
     out.backward(sl.split_sequence(dout, group, layout))
     got = [out.detach()] + [t.grad for t in mine]
     errors = [largest_difference(a, sl.split_sequence(b, group, layout)) for a, b in zip(got, want)]
     return ([(e, tol, where) for (e, where), tol in zip(errors, bound(q, k, v, dout, causal, C))], forward,
-            cp.bytes_sent(group), scores)
+            sl.bytes_sent(group), scores)
 
 
 def every_case(methods, ranks, b, H, chunk, d, seed):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from harness import device, run
 from mini_dist import parallel_transformer as pt
 from mini_dist import tensor_parallel as tp
+from mini_dist.questions import model as model_questions
 from mini_dist.kit.measure import SavedTensors
 from test_tensor_parallel import (DATA_COLLECTIVES, F64, TOL, assert_counted, assert_named_on_every_rank,
                                   assert_same_clear_errors, error_messages, forward_backward_counted, provoke,
@@ -35,7 +36,10 @@ def module_worker(kind, seed, T, batch, seq, heads_k, head_dim, causal, sp, reas
     if kind == "attention":
         dense = nn.MultiheadAttention(h, heads, batch_first=True, device=device(), dtype=F64)
         parallel = pt.ParallelAttention(h, heads, causal, **kw)
-        ref = lambda x: dense(x, x, x, attn_mask=mask, need_weights=False)[0]  # noqa: E731
+
+        def ref(x):
+            """nn.MultiheadAttention as self-attention: its output alone."""
+            return dense(x, x, x, attn_mask=mask, need_weights=False)[0]
     else:
         dense = pt.TransformerBlock(h, heads, causal, device=device(), dtype=F64)
         parallel = pt.ParallelTransformerBlock(h, heads, causal, **kw)
@@ -184,7 +188,7 @@ def figures_worker(kernel):
     T = dist.get_world_size()
     with sdpa_kernel(SDPBackend.MATH) if kernel == "math" else contextlib.nullcontext():
         block = pt.block_three_ways(2, 2 * T, 4 * T, 2 * T)
-    return pt.all_reduces_per_layer(block), pt.sequence_parallel_savings(block)
+    return model_questions.all_reduces_per_layer(block), model_questions.sequence_parallel_savings(block)
 
 
 @pytest.mark.parametrize("kernel", ["default", "math"])

@@ -28,6 +28,8 @@ from harness import device, run, subgroup
 from mini_dist import comm
 from mini_dist.kit import debug
 from mini_dist import tensor_parallel as tp
+from mini_dist import tp_layout
+from mini_dist.questions import model as model_questions
 
 F64 = torch.float64
 TOL = 1000 * torch.finfo(F64).eps
@@ -96,7 +98,7 @@ def run_both(dense, parallel, group, x, shard_in, shard_out, sp, ref=None):
     out = parallel(xin)
     out.backward(shard_out(dy))
     if sp:
-        tp.allreduce_sequence_parallel_grads(parallel, group)
+        tp_layout.allreduce_sequence_parallel_grads(parallel, group)
     return compare(parallel, dense, group, out, shard_out(ref_out), [(xin.grad, shard_in(x.grad))])
 
 
@@ -168,7 +170,11 @@ def linear_function_worker(seed, T, column, batch, seq, in_k, out_k):
     if group is None:
         return None
     seed_group(seed, index)
-    r, cut = dist.get_rank(group), lambda t, dim: t.detach().chunk(T, dim)[r].clone()  # noqa: E731
+    r = dist.get_rank(group)
+
+    def cut(t, dim):
+        """This rank's slice of a dense tensor along dim, a tensor of its own."""
+        return t.detach().chunk(T, dim)[r].clone()
     dense = nn.Linear(in_k * T, out_k * T, device=device(), dtype=F64)
     x = torch.randn(batch, seq, in_k * T, device=device(), dtype=F64, requires_grad=True)
     dy = torch.randn(batch, seq, out_k * T, device=device(), dtype=F64)
@@ -222,9 +228,18 @@ def linear_worker(seed, T, batch, seq, in_k, out_k, column, option, sp, bias):
     in_f, out_f, s = in_k * T, out_k * T, seq * T
     dense = nn.Linear(in_f, out_f, bias=bias, device=device(), dtype=F64)
     kw = dict(bias=bias, sequence_parallel=sp, group=group, device=device(), dtype=F64)
-    ident = lambda t: t  # noqa: E731
-    seq_part = (lambda t: seq_shard(t, group)) if sp else ident
-    feat_part = lambda t: feature_shard(t, group)  # noqa: E731
+
+    def ident(t):
+        """The whole tensor, as every rank holds it."""
+        return t
+
+    def seq_part(t):
+        """This rank's s/T tokens under sequence parallelism, else the whole tensor."""
+        return seq_shard(t, group) if sp else t
+
+    def feat_part(t):
+        """This rank's slice of the features."""
+        return feature_shard(t, group)
     if column:
         layer = tp.ColumnParallelLinear(in_f, out_f, gather_output=option, **kw)
         shard_in, shard_out = seq_part, ident if option else feat_part
@@ -306,7 +321,7 @@ def native_worker(seed, T):
         outs = [module(xin) for module in (native, mine)]
         for out in outs:
             out.square().sum().backward()
-        tp.allreduce_sequence_parallel_grads(mine, group)
+        tp_layout.allreduce_sequence_parallel_grads(mine, group)
         errors.append(rel_err(outs[1], outs[0]))
         errors += [rel_err(p.grad, q.grad.to_local()) for p, q in zip(mine.parameters(), native.parameters())]
     return errors
@@ -420,16 +435,20 @@ def assert_same_clear_errors(results, expected):
 
 def errors_worker():
     group, _ = tp_group(2)
-    x = lambda *shape: torch.randn(shape, device=device())  # noqa: E731
+
+    def rand(*shape):
+        """A random input of this shape, on the rank's device."""
+        return torch.randn(shape, device=device())
     return error_messages([lambda: tp.ColumnParallelLinear(4, 5, group=group),
                            lambda: tp.RowParallelLinear(5, 4, group=group),
-                           lambda: tp.ColumnParallelLinear(4, 6, group=group)(x(2, 3, 5)),
-                           lambda: tp.RowParallelLinear(4, 6, group=group)(x(2, 3, 4)),
-                           lambda: tp.ParallelMLP(4, sequence_parallel=True, group=group)(x(2, 4)),
-                           lambda: comm.split_to_sp(x(2, 3, 4), group),
+                           lambda: tp.ColumnParallelLinear(4, 6, group=group)(rand(2, 3, 5)),
+                           lambda: tp.RowParallelLinear(4, 6, group=group)(rand(2, 3, 4)),
+                           lambda: tp.ParallelMLP(4, sequence_parallel=True, group=group)(rand(2, 4)),
+                           lambda: comm.split_to_sp(rand(2, 3, 4), group),
                            lambda: tp.shard_from_dense(tp.ColumnParallelLinear(4, 6, group=group),
                                                        nn.Linear(4, 8, device=device()), group),
-                           lambda: tp.shard_from_dense(tp.ParallelMLP(4, group=group), nn.Linear(4, 4, device=device()), group),
+                           lambda: tp.shard_from_dense(tp.ParallelMLP(4, group=group),
+                                                       nn.Linear(4, 4, device=device()), group),
                            lambda: tp.gather_to_dense(tp.ColumnParallelLinear(4, 6, group=group),
                                                       nn.Linear(4, 8, device=device()), group)])
 
@@ -543,5 +562,5 @@ def test_debug_mode_off_issues_no_collective_beyond_the_layers_own():
 def test_tensor_parallel_traffic_grows_with_the_tokens_and_holds_on_one_rank_and_on_three():
     # question 10's figure (4 ranks in test_questions.py): a group of one sends nothing, 3 ranks two all-reduces
     for world in (1, 3):
-        for figure, holds in run(world, tp.tensor_parallel_traffic, 24):  # 4h = 96 cuts 3 ways
+        for figure, holds in run(world, model_questions.tensor_parallel_traffic, 24):  # 4h = 96 cuts 3 ways
             assert holds, (world, figure)
