@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from harness import RankFailure, device, run
-from mini_dist.pipeline import pipeline_step
+from mini_dist.pipeline_executor import pipeline_step
 from mini_dist.pipeline_agreement import in_action_order, message_order, under_nccls_rule
 from mini_dist.pipeline_schedules import SCHEDULES
 from mini_dist.pipeline_stages import pipeline_chunks
