@@ -165,11 +165,12 @@ def one_f_one_b_step(layers: nn.Module, inputs, targets, loss_fn, n_microbatches
         y = stage.forward(x, m)
         kept.append((x, y))
         x_k, y_k = kept.pop(0)
-        # One batch, not "send, then receive": NCCL runs a rank's sends and receives one at a time, in the
-        # order posted, and a send ends only when its receive runs. Here stage s sends activation m to s+1
-        # while s+1, done with microbatch k's backward, sends its gradient to s: each send waits for a receive
-        # that its peer posted behind its own send, and neither ends. Posted as one batch, the send and the
-        # receive go through together (tests/test_pipeline.py replays both under NCCL's rule).
+        # One batch, not "send, then receive": here stage s sends activation m to s+1 while s+1, done with
+        # microbatch k's backward, sends its gradient to s, and a send ends only when its receive runs. Waited
+        # for one after the other, each send waits for a receive that its peer posts only after its own send:
+        # a hang, on gloo too. Posting the send without waiting is not enough on NCCL, which runs a rank's
+        # sends and receives one at a time, in the order posted. A batch goes through as one unit
+        # (tests/test_pipeline.py replays both under NCCL's rule).
         dy = stage.send_forward_recv_backward(y, m, y_k, k)
         dx = stage.backward(x_k, y_k, dy)
         if m + 1 < M:

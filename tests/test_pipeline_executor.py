@@ -1,7 +1,9 @@
-"""Pipeline parallelism on ranks: the executor runs every schedule like single-process full-batch training and
-like torch.distributed.pipelining on the same split, sends what the schedule says, and a message it did not
-expect, or a neighbour that vanishes, is named. (The schedules are tested as data in test_pipeline_schedules.py,
-the agreement before a step in test_pipeline_agreement.py.)"""
+"""The executor of schedules as data (mini_dist/pipeline_executor.py) on ranks: every schedule trains like
+single-process full-batch training and like torch.distributed.pipelining on the same split, sends what the
+schedule says, and a message it did not expect, or a neighbour that vanishes, is named. (The textbook loops
+are tested in test_pipeline.py, whose one-process helpers these tests share; a schedule's actions in
+test_pipeline_actions.py; the schedules as data in test_pipeline_schedules.py; the agreement before a step in
+test_pipeline_agreement.py; the messages alone in test_pipeline_messages.py.)"""
 import contextlib
 import itertools
 import os
@@ -14,42 +16,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from harness import RankFailure, device, rank_generator, run, subgroup
+from harness import RankFailure, device, run, subgroup
 from mini_dist.kit import debug, launch
-from mini_dist.pipeline import HEADER_LEN, pipeline_step, torch_step
-from mini_dist.pipeline_schedules import SCHEDULES, live_microbatches
+from mini_dist.kit.references import torch_step
+from mini_dist.pipeline_actions import live_microbatches
+from mini_dist.pipeline_executor import pipeline_step
+from mini_dist.pipeline_messages import HEADER_LEN
+from mini_dist.pipeline_schedules import SCHEDULES, TORCH_SCHEDULES
 from mini_dist.pipeline_stages import pipeline_chunks, split_model
+from test_pipeline import assert_equal_up_to_rounding, build_model, draw_batch, full_batch, grads_by_index, make_loss
 
 
 # ----- the executor, on ranks -----
-
-def build_model(seed, widths, frozen):
-    """Linear+Tanh blocks; `frozen` freezes the first Linear (a first stage may need no backward)."""
-    torch.manual_seed(seed)
-    layers = []
-    for i, (a, b) in enumerate(zip(widths, widths[1:])):
-        layers += [nn.Linear(a, b)] + [nn.Tanh()] * (i < len(widths) - 2)  # cpu: drawn here, moved below
-    model = nn.Sequential(*layers).double().to(device())
-    model[0].requires_grad_(not frozen)
-    return model
-
-
-def make_loss(kind):
-    return nn.MSELoss() if kind == "mse" else nn.CrossEntropyLoss()
-
-
-def draw_batch(seed, widths, batch, kind):
-    g = rank_generator(seed)  # each rank its own data: only stage 0's inputs and stage P-1's targets count
-    x = torch.randn(batch, widths[0], generator=g, dtype=torch.float64).to(device())
-    y = (torch.randn(batch, widths[-1], generator=g, dtype=torch.float64) if kind == "mse"
-         else torch.randint(widths[-1], (batch,), generator=g)).to(device())
-    return x, y
-
-
-def grads_by_index(model, chunks):
-    index = {id(p): i for i, p in enumerate(model.parameters())}
-    return {index[id(p)]: p.grad.cpu() for c in chunks for p in c.parameters() if p.grad is not None}
-
 
 def torch_runs(name, P, M, v):
     """Whether torch.distributed.pipelining accepts the configuration: its Schedule1F1B refuses M < P, its
@@ -69,8 +47,11 @@ def pipelined(seed, widths, frozen, batch, M, name, v, kind, sizes, ranks, heade
     model = build_model(seed, widths, frozen)
     x, y = draw_batch(seed, widths, batch, kind)
     chunks = pipeline_chunks(model, group, v, sizes)
-    P, s = len(ranks), dist.get_rank(group)
-    saved, (debug.DEBUG, launch.PRETEND_NCCL) = (debug.DEBUG, launch.PRETEND_NCCL), (headers, nccl_path)
+    P = len(ranks)
+    s = dist.get_rank(group)
+    saved = (debug.DEBUG, launch.PRETEND_NCCL)
+    debug.DEBUG = headers
+    launch.PRETEND_NCCL = nccl_path
     try:
         loss, stats = pipeline_step(chunks, SCHEDULES[name](P, M, v), x, y, make_loss(kind), group)
     finally:
@@ -80,38 +61,9 @@ def pipelined(seed, widths, frozen, batch, M, name, v, kind, sizes, ranks, heade
     # subgroups give every P from 1 to 4)
     if dist.get_world_size() == 4 and torch_runs(name, P, M, v):
         model.zero_grad()
-        result["torch_loss"] = torch_step(chunks, name, M, make_loss(kind), group)(x, y)
+        result["torch_loss"] = torch_step(chunks, TORCH_SCHEDULES[name], M, make_loss(kind), group)(x, y)
         result["torch_grads"] = grads_by_index(model, chunks)
     return result
-
-
-def full_batch(seed, widths, frozen, kind, x, y):
-    """Single-process training on the whole batch. Also the size of what its sums add up, sample by
-    sample: a float sum's rounding error is bounded by eps times the sum of |terms|, which cancellation
-    can make much larger than |sum|."""
-    model, loss_fn = build_model(seed, widths, frozen).cpu(), make_loss(kind)
-    loss = loss_fn(model(x), y)
-    loss.backward()
-    grads = {i: p.grad.clone() for i, p in enumerate(model.parameters()) if p.grad is not None}
-    loss_terms, grad_terms = 0.0, {i: torch.zeros_like(g) for i, g in grads.items()}
-    for n in range(len(x)):  # the batch mean is (1/N) * the sum of the samples' losses
-        model.zero_grad()
-        sample = loss_fn(model(x[n:n + 1]), y[n:n + 1]) / len(x)
-        sample.backward()
-        loss_terms += sample.abs().item()
-        for i, p in enumerate(model.parameters()):
-            if i in grads:
-                grad_terms[i] += p.grad.abs()
-    return (loss.detach(), loss_terms), {i: (g, grad_terms[i]) for i, g in grads.items()}
-
-
-def assert_equal_up_to_rounding(actual, expected, terms, roundings):
-    """fp64: the same per-sample terms, computed and summed in another grouping and order (per microbatch,
-    each with its own 1/M, and matmuls of another batch size). To first order each computation is off the
-    exact value by at most roundings*eps*sum|terms|, so the two differ by at most twice that."""
-    bound = 2 * roundings * torch.finfo(torch.float64).eps * torch.as_tensor(terms)  # cpu: beside the reference
-    difference = (torch.as_tensor(actual).cpu() - expected).abs()  # cpu: the reference's side
-    assert (difference <= bound).all(), f"difference {difference.max():.3g} > bound {bound.max():.3g}"
 
 
 def check_step(world, ranks, sizes, seed, widths, frozen, mb_size, M, name, v, kind, headers=True, nccl_path=False):
@@ -121,7 +73,8 @@ def check_step(world, ranks, sizes, seed, widths, frozen, mb_size, M, name, v, k
     results = run(world, pipelined, seed, widths, frozen, M * mb_size, M, name, v, kind, sizes, ranks, headers,
                   nccl_path)
     results = sorted((r for r in results if r is not None), key=lambda r: r["stage"])
-    x, y = results[0]["x"], results[-1]["y"]  # stage 0's inputs and stage P-1's targets are the batch
+    x = results[0]["x"]  # stage 0's inputs and stage P-1's targets are the batch
+    y = results[-1]["y"]
     (loss, loss_terms), grads = full_batch(seed, widths, frozen, kind, x, y)
     # Roundings on a term's way: the sum over the batch, and forward and backward through each Linear an
     # inner product as long as its input resp. output width.
@@ -140,14 +93,19 @@ def check_step(world, ranks, sizes, seed, widths, frozen, mb_size, M, name, v, k
                 assert_equal_up_to_rounding(r["grads"][i], g, grads[i][1], roundings)
     stages = split_model(build_model(seed, widths, frozen).cpu(), P * v, sizes)
     acts = list(itertools.accumulate(stages, lambda a, stage: stage(a), initial=x[:mb_size]))
-    schedule, S = SCHEDULES[name](P, M, v), P * v
+    schedule = SCHEDULES[name](P, M, v)
+    S = P * v
     for r in results:  # what the executor measured, beside what the schedule says
-        s, actions = r["stage"], schedule.actions[r["stage"]]
+        s = r["stage"]
+        actions = schedule.actions[s]
         assert [e[:3] for e in r["stats"].events] == list(actions)
         assert r["stats"].peak_live == live_microbatches(actions)
         sent = 0  # fp64 activations forward (+ a shape header once per stage), their gradients backward
         for j in range(s, S, P) if P > 1 else ():  # one rank: every message stays on it
-            sent += (j < S - 1) * (M * acts[j + 1].numel() + HEADER_LEN) * 8 + (j > 0) * M * acts[j].numel() * 8
+            if j < S - 1:
+                sent += (M * acts[j + 1].numel() + HEADER_LEN) * 8
+            if j > 0:
+                sent += M * acts[j].numel() * 8
         assert r["stats"].bytes_sent == sent
     return "torch_loss" in results[-1]
 
@@ -155,7 +113,8 @@ def check_step(world, ranks, sizes, seed, widths, frozen, mb_size, M, name, v, k
 @st.composite
 def pipelined_steps(draw, worlds, torch_runs_it=False):
     """A pipelined step: its world, pipeline ranks, model, split, batch, M, schedule, chunks and loss."""
-    world, name = draw(worlds), draw(st.sampled_from(sorted(SCHEDULES)))
+    world = draw(worlds)
+    name = draw(st.sampled_from(sorted(SCHEDULES)))
     widths = draw(st.lists(st.integers(1, 6), min_size=3, max_size=6))
     n_layers = 2 * len(widths) - 3
     P = draw(st.integers(1, min(world, n_layers)))
@@ -167,7 +126,8 @@ def pipelined_steps(draw, worlds, torch_runs_it=False):
     return dict(world=world, ranks=sorted(draw(st.permutations(range(world)))[:P]),  # may be a subgroup
                 sizes=None if draw(st.booleans()) else [b - a for a, b in zip([0, *cuts], [*cuts, n_layers])],
                 seed=draw(st.integers(0, 2 ** 16)), widths=widths, frozen=draw(st.booleans()),
-                mb_size=draw(st.integers(1, 4)), M=M, name=name, v=v, kind=draw(st.sampled_from(["mse", "cross_entropy"])),
+                mb_size=draw(st.integers(1, 4)), M=M, name=name, v=v,
+                kind=draw(st.sampled_from(["mse", "cross_entropy"])),
                 headers=draw(st.booleans()), nccl_path=draw(st.booleans()))
 
 
@@ -213,9 +173,11 @@ class ShrinksAfterTheFirstCall(nn.Module):
 
 
 def step_with_a_shrinking_first_stage():
-    P, s = dist.get_world_size(), dist.get_rank()
+    P = dist.get_world_size()
+    s = dist.get_rank()
     stage = ShrinksAfterTheFirstCall() if s == 0 else nn.Linear(2, 2).to(device())
-    x, y = torch.randn(4, 2, device=device()), torch.randn(4, 2, device=device())
+    x = torch.randn(4, 2, device=device())
+    y = torch.randn(4, 2, device=device())
     return pipeline_step(stage, SCHEDULES["gpipe"](P, 2), x, y, nn.MSELoss())[0]
 
 
@@ -237,9 +199,11 @@ class VanishesOnItsSecondForward(nn.Module):
 
 
 def step_where_rank_1_vanishes():
-    P, s = dist.get_world_size(), dist.get_rank()
+    P = dist.get_world_size()
+    s = dist.get_rank()
     stage = VanishesOnItsSecondForward() if s == 1 else nn.Linear(2, 2).to(device())
-    x, y = torch.randn(4, 2, device=device()), torch.randn(4, 2, device=device())
+    x = torch.randn(4, 2, device=device())
+    y = torch.randn(4, 2, device=device())
     return pipeline_step(stage, SCHEDULES["1f1b"](P, 4), x, y, nn.MSELoss())[0]
 
 
@@ -270,7 +234,8 @@ def weight_gradients_under_no_sync(name, M, v):
     torch.manual_seed(0)
     chunks = pipeline_chunks(nn.Sequential(*[nn.Linear(2, 2) for _ in range(P * v)]).to(device()), None, v)
     counters = [CountingNoSync() for _ in chunks]
-    x, y = torch.randn(2 * M, 2, device=device()), torch.randn(2 * M, 2, device=device())
+    x = torch.randn(2 * M, 2, device=device())
+    y = torch.randn(2 * M, 2, device=device())
     pipeline_step(chunks, SCHEDULES[name](P, M, v), x, y, nn.MSELoss(), no_sync=counters)
     return [counter.entered for counter in counters]
 
@@ -287,10 +252,13 @@ def under_nccls_rule(name, M, v, headers):
     """One step of schedule `name`, recorded on gloo and replayed under NCCL's in-order rule: the cycles found.
     `headers`: a checked header before every message (MINI_DIST_DEBUG=1), else only before a stage's first."""
     from mini_dist import nccl_order
-    P, chunks = dist.get_world_size(), v if name in ("interleaved", "zero_bubble") else 1
+    P = dist.get_world_size()
+    chunks = v if name in ("interleaved", "zero_bubble") else 1
     widths = [3] * (P * chunks + 1)  # 2 * P * chunks - 1 layers: at least one per virtual stage
-    model, (x, y) = build_model(0, widths, False), draw_batch(0, widths, 2 * M, "mse")
-    saved, debug.DEBUG = debug.DEBUG, headers
+    model = build_model(0, widths, False)
+    x, y = draw_batch(0, widths, 2 * M, "mse")
+    saved = debug.DEBUG
+    debug.DEBUG = headers
     try:
         return nccl_order.check(pipeline_step, pipeline_chunks(model, None, chunks), SCHEDULES[name](P, M, chunks),
                                 x, y, nn.MSELoss())
