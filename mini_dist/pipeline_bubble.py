@@ -175,8 +175,8 @@ def measure(name: str, P: int, M: int, v: int, seconds: float, steps: int, trace
     """`steps` of our steps of schedule `name` on sleeping stages and one of torch's: the largest difference
     of their loss and gradients from one process (fp64), and for each of our steps every rank's StepStats."""
     torch.manual_seed(0)  # the same model and batch on every rank
-    layers = [m for _ in range(P * v) for m in (nn.Linear(width, width), nn.Tanh(), SimulatedCompute(seconds))]
-    model = nn.Sequential(*layers).to(launch.device(), torch.float64)
+    model = nn.Sequential(*[m for _ in range(P * v) for m in (
+        nn.Linear(width, width), nn.Tanh(), SimulatedCompute(seconds))]).to(launch.device(), torch.float64)
     x = torch.randn(4 * M, width, dtype=torch.float64, device=launch.device())
     y = torch.randn(4 * M, width, dtype=torch.float64, device=launch.device())
     chunks = pipeline_chunks(model, None, v, [3] * P * v)

@@ -193,7 +193,7 @@ def demo(args) -> int:
     launch.setup()
     shape = (2, args.width)
     nbytes = 2 * args.width * 4
-    first = header(("act", 0, 1), torch.empty(shape)).tolist()
+    first = header(("act", 0, 1), torch.empty(shape, device=launch.device())).tolist()
     launch.print0(f"P={P}, one step's messages without a model, each {shape[0]} x {shape[1]} fp32 ({nbytes} B), the "
                   f"first activation to stage 1 after the header {first}\n(act, microbatch 0, stage 1, dtype "
                   f"{DTYPES[first[3]]}, {first[4]} dims: {first[5:5 + first[4]]})\n"
