@@ -197,7 +197,7 @@ def demo(args) -> int:
     launch.print0(f"P={P}, one step's messages without a model, each {shape[0]} x {shape[1]} fp32 ({nbytes} B), the "
                   f"first activation to stage 1 after the header {first}\n(act, microbatch 0, stage 1, dtype "
                   f"{DTYPES[first[3]]}, {first[4]} dims: {first[5:5 + first[4]]})\n"
-                  f"{'schedule':<14} | {'bytes sent per rank = formula':<38} | as expected | under NCCL's rule")
+                  f"{'schedule':<14} | as expected | under NCCL's rule | bytes sent per rank = the formula")
     arrived = True
     counted = True
     for name, plan in plans.items():
@@ -209,9 +209,9 @@ def demo(args) -> int:
         want = bytes_formula(P, plan.n_microbatches, plan.n_chunks, nbytes)
         arrived = arrived and right and not cycles
         counted = counted and sent == want
-        said = cycles[0] if cycles else "completes"
-        launch.print0(f"{name:<14} | {str(sent) + (' = ' if sent == want else ' NOT ') + str(want):<38} | "
-                      f"{'yes' if right else 'NO':<11} | {said}")
+        said = f"a cycle: {cycles[0]}" if cycles else "completes"
+        launch.print0(f"{name:<14} | {'yes' if right else 'NO':<11} | {said:<17} | {sent} "
+                      f"{'=' if sent == want else 'NOT'} {want}")
     return launch.conclude("pipeline_messages", arrived, "every schedule's messages arrive as sent, under NCCL's "
                            "rule too", counted, "bytes sent per rank = M activations each way + one header")
 
