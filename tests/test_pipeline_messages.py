@@ -5,7 +5,7 @@ way and one header per stage it feeds; and the messages complete under NCCL's in
 nccl_order). (A message the receiver did not expect, and a lost neighbour, are named in test_pipeline_executor.py.)"""
 import pytest
 import torch.distributed as dist
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from harness import run, subgroup
@@ -30,6 +30,8 @@ def relayed(name, P, M, v, width, headers, nccl_path):
 
 
 @settings(max_examples=20)
+@example(name="interleaved", P=1, M=4, v=2, width=2, headers=False, nccl_path=False)  # every message stays home
+@example(name="zero_bubble", P=2, M=3, v=2, width=3, headers=True, nccl_path=True)  # both kinds share each wire
 @given(name=st.sampled_from(sorted(SCHEDULES)), P=st.integers(1, 4), M=st.integers(1, 9), v=st.integers(1, 3),
        width=st.integers(1, 5), headers=st.booleans(), nccl_path=st.booleans())
 def test_every_receive_gets_the_message_it_waits_for_and_the_bytes_are_the_formula(name, P, M, v, width, headers,
