@@ -15,10 +15,14 @@ warm-up of P-s-1 forwards, a steady state of one forward and one backward in tur
 backwards left; stage s keeps at most P-s microbatches. Both leave ranks idle for (P-1)/(M+P-1) of the step
 while the pipe fills and drains (mini_dist/pipeline_bubble.py).
 
-Every message goes through the kit's wire: counted in its ledger as "pipeline", printed under VERBOSE=1, a
-neighbour that is lost named. A stage must know the shape of the activation it receives (Megatron-LM passes
-it as tensor_shape). The same two steps, and interleaved and zero-bubble ones, written as data instead of
-loops: mini_dist/pipeline_schedules.py, run by mini_dist/pipeline_executor.py.
+In 1F1B's steady state a stage sends an activation on while its neighbour sends a gradient back: each posts its
+send with the receive that follows as one batch, since two sends that each wait for the other's receive never
+end (on NCCL, which runs a rank's operations in the order posted, not even when posted without waiting:
+mini_dist/nccl_order.py replays it). Every message goes through the kit's wire: counted in its ledger as
+"pipeline", printed under VERBOSE=1, a neighbour that is lost named. A stage must know the shape of the
+activation it receives (Megatron-LM passes it as tensor_shape). The same two steps, and interleaved and
+zero-bubble ones, written as data instead of loops: mini_dist/pipeline_schedules.py, run by
+mini_dist/pipeline_executor.py.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/pipeline.py [--microbatches 8 --width 24]
 

@@ -6,7 +6,7 @@ Everything here is integer arithmetic, so the assertions are exact (==), except 
 rounding by at most 2^-53. Cross-checks against measurements: PyTorch's own optimizer state tensors
 (single process), the bytes activation_checkpoint.py's transformer layer keeps for backward (with and
 without checkpointing), and the byte ledgers of ring_allreduce.py, ddp.py, zero.py, fsdp.py, the tensor-
-parallel block (plain and recomputed) and pipeline.py (multi-rank, via the harness).
+parallel block (plain and recomputed) and pipeline_executor.py (multi-rank, via the harness).
 """
 import functools
 import math

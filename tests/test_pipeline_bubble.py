@@ -1,6 +1,6 @@
 """The bubble, predicted: the simulator plays a schedule as the executor runs it, finds the papers' bubble for
 uniform stage times (exactly, where the papers give a formula), and reports a schedule that cannot run; its
-timeline prints as a picture. (The executor's measured timelines are checked in test_pipeline.py.)"""
+timeline prints as a picture. (The executor's measured timelines are checked in test_pipeline_executor.py.)"""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -39,7 +39,7 @@ def textbook(P: int, M: int, h: int, batch: int, repeats: int) -> list[bench.Res
     """The textbook GPipe and 1F1B loops against torch's ScheduleGPipe and Schedule1F1B."""
     results = []
     for name, (step, schedule) in STEPS.items():
-        _, chunks, x, y = stack(P, 1, h, batch)
+        model, chunks, x, y = stack(P, 1, h, batch)
         native = torch_step(chunks, schedule, M, nn.MSELoss())
 
         def ours():
@@ -48,7 +48,7 @@ def textbook(P: int, M: int, h: int, batch: int, repeats: int) -> list[bench.Res
         def theirs():
             native(x, y)
         results.append(bench.compare(f"pipeline textbook {name} P={P} M={M}", ours, theirs, repeats, target=1.25,
-                                     note=f"{4 * P} x Linear({h}) + GELU, batch {batch}, fp32"))
+                                     note=f"{len(model) // 2} x Linear({h}) + GELU, batch {batch}, fp32"))
     return results
 
 
