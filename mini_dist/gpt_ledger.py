@@ -35,7 +35,7 @@ from mini_dist.cost_model import DTYPES, PRECISIONS, STAGES, Model, Plan, bytes_
 from mini_dist.expert_parallel import MoE
 from mini_dist.kit import launch
 from mini_dist.parallel_transformer import TransformerBlock
-from mini_dist.pipeline import HEADER_LEN
+from mini_dist.pipeline_messages import HEADER_LEN
 from mini_dist.pipeline_schedules import SCHEDULES
 from mini_dist.pipeline_stages import balanced_split
 

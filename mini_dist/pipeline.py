@@ -1,32 +1,36 @@
-"""Pipeline parallelism: a model cut into stages, microbatches flowing through them, on isend/irecv.
+"""Pipeline parallelism, the textbook step: GPipe, then 1F1B, as loops with every message written out.
 
-A sequential model is cut into P stages (mini_dist/pipeline_stages.py), stage s on rank s, the batch into
-M microbatches. Stage s receives microbatch m's activation from stage s-1, runs its layers and sends the
-result on; the last computes the loss; gradients travel back the same way, and every stage accumulates its
-parameters' gradients over the M microbatches. Only neighbours talk, M messages each way per step:
+A sequential model is cut into P stages (mini_dist/pipeline_stages.py), stage s on rank s of the group, and
+the batch into M equal microbatches. Stage s receives microbatch m's activation from stage s-1, runs its
+layers and sends the result to stage s+1; the last stage computes the loss. Backward runs the other way:
+stage s receives the gradient of what it sent, runs its backward and sends its input's gradient to s-1.
+Each microbatch's loss is divided by M and the parameters' gradients add up over the M microbatches, so the
+step equals one process on the whole batch. Only neighbours talk, M messages each way:
 
-    bytes sent by stage s  =  M activations (s < P-1)  +  M activation gradients (s > 0)  +  one shape header
+    bytes sent by stage s  =  M activations (s < P-1)  +  M activation gradients (s > 0)
 
-What each rank runs when is a schedule, data built in mini_dist/pipeline_schedules.py (read it first); the
-share of a step ranks wait while the pipe fills and drains, (P-1)/(M+P-1) for GPipe and 1F1B, is
-mini_dist/pipeline_bubble.py. One executor runs every schedule: each action calls the method of its name;
-a send never blocks (isend), a receive waits for its message (irecv). NCCL runs a rank's messages one at a
-time, in the order posted: there every rank posts them in one order all ranks share (`message_order`, in
-mini_dist/pipeline_agreement.py), which cannot wait in a cycle. For zero bubble's split backward, the
-forward cuts the graph at each layer's output: B keeps those outputs' gradients, W starts from them.
-The ranks first agree on the step (mini_dist/pipeline_agreement.py). Inside data parallelism, a chunk's
-weight gradients are reduced once per step (DDP's `no_sync` but for its last microbatch). VERBOSE=1 prints
-every send and receive; MINI_DIST_DEBUG=1 sends a header its receiver checks with every message.
+GPipe (Huang et al. 2019) runs all M forwards, then all M backwards: every stage keeps the activations of
+all M microbatches. 1F1B (PipeDream-Flush, Narayanan et al. 2021) starts each backward as early as it can: a
+warm-up of P-s-1 forwards, a steady state of one forward and one backward in turn, a cool-down of the
+backwards left; stage s keeps at most P-s microbatches. Both leave ranks idle for (P-1)/(M+P-1) of the step
+while the pipe fills and drains (mini_dist/pipeline_bubble.py).
 
-    torchrun --standalone --nproc_per_node=4 mini_dist/pipeline.py [--microbatches 8 --chunks 2 --width 24]
+In 1F1B's steady state a stage sends an activation on while its neighbour sends a gradient back: each posts its
+send with the receive that follows as one batch, since two sends that each wait for the other's receive never
+end (on NCCL, which runs a rank's operations in the order posted, not even when posted without waiting:
+mini_dist/nccl_order.py replays it). Every message goes through the kit's wire: counted in its ledger as
+"pipeline", printed under VERBOSE=1, a neighbour that is lost named. A stage must know the shape of the
+activation it receives (Megatron-LM passes it as tensor_shape). The same two steps, and interleaved and
+zero-bubble ones, written as data instead of loops: mini_dist/pipeline_schedules.py, run by
+mini_dist/pipeline_executor.py.
 
-Mirrors torch.distributed.pipelining's PipelineStage with its four schedules.
+    torchrun --standalone --nproc_per_node=4 mini_dist/pipeline.py [--microbatches 8 --width 24]
+
+Mirrors torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B (the demo and the tests compare them),
+and Megatron-LM's forward_backward_pipelining_without_interleaving, whose message names it borrows.
 """
-import contextlib
 import sys
-import time
-from collections import deque
-from dataclasses import dataclass, field
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -35,255 +39,235 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import debug, launch, references
-from mini_dist.kit.wire import DEBUG, LEDGER, irecv, isend, wait
-from mini_dist.pipeline_agreement import agree_on_step, message_order
-from mini_dist.pipeline_schedules import (COMPUTE, FREES, SCHEDULES, Event, Schedule, route, schedules_for,
-                                          torch_schedule)
+from mini_dist.kit import launch, references
+from mini_dist.kit.models import mlp
+from mini_dist.kit.wire import LEDGER, send_recv
 from mini_dist.pipeline_stages import pipeline_chunks
 
-# ----- the executor -----
-
-HEADER_LEN = 13  # int64s: message kind, microbatch, virtual stage, dtype, ndim, up to 8 sizes
-DTYPES, KINDS = [torch.float32, torch.float64, torch.float16, torch.bfloat16], ("act", "grad")
+PIPELINE = "pipeline"  # the ledger's kind for activations and their gradients
 
 
-def pipeline_step(stage, schedule: Schedule, inputs=None, targets=None, loss_fn=None, group=None, no_sync=None,
-                  trace: bool = launch.VERBOSE):
-    """Run one training step of `schedule` on this rank's `stage` (a module, or the list of its v chunks).
-    The first stage passes the whole batch `inputs`, the last `targets` and `loss_fn(output, target)` (a
-    mean over its microbatch). Gradients accumulate into .grad as those of loss_fn on the whole batch.
-    Returns (the batch loss on the last stage, else None; StepStats). `no_sync`: one context manager
-    factory per chunk (DistributedDataParallel.no_sync), entered by every weight-gradient computation of
-    that chunk but its last. Any schedule `simulate` accepts runs here without deadlock."""
-    chunks = list(stage) if isinstance(stage, (list, tuple)) else [stage]
-    agree_on_step(schedule, chunks, inputs, targets, loss_fn, group)
-    run, t0 = Executor(chunks, schedule, inputs, targets, loss_fn, group, no_sync), time.perf_counter()
-    counted = LEDGER.bytes["pipeline"]
-    for action in run.actions:
-        (op, m, c), start = action, time.perf_counter() - t0
-        if op in COMPUTE:
-            getattr(run, op)(m, c)
+class Stage:
+    """This rank's stage during one step: its layers, the microbatches it starts (the first stage) or turns
+    into a loss (the last), and its messages to the stage before and the stage after."""
+
+    def __init__(self, layers: nn.Module, inputs, targets, loss_fn, n_microbatches: int, shape, dtype, group=None):
+        P = dist.get_world_size(group)
+        self.s = dist.get_rank(group)
+        self.before = self.s - 1 if self.s > 0 else None     # None: the first stage, which reads the batch
+        self.after = self.s + 1 if self.s < P - 1 else None  # None: the last stage, which computes the loss
+        self.layers = layers
+        self.M = n_microbatches
+        self.inputs = inputs.chunk(self.M) if self.before is None else None
+        self.targets = targets.chunk(self.M) if self.after is None else None
+        self.loss_fn = loss_fn
+        self.shape = shape  # of one microbatch's activation from the stage before, and its dtype
+        self.dtype = dtype
+        self.group = group
+        self.loss = None    # on the last stage: the batch loss, added up microbatch by microbatch
+
+    def forward(self, x, m: int):
+        y = self.layers(x)
+        if self.after is None:  # the mean of M microbatch means is the batch mean
+            y = self.loss_fn(y, self.targets[m]) / self.M
+            self.loss = y.detach() if self.loss is None else self.loss + y.detach()
+        return y
+
+    def backward(self, x, y, dy):
+        """From the gradient of the output y (None on the last stage, where y is the loss) to the input's; the
+        parameters' gradients add up in their .grad."""
+        torch.autograd.backward(y, dy)
+        return x.grad
+
+    # The messages, named as in Megatron-LM. Each is one call of the wire's send_recv: its send and its
+    # receive posted as ONE batch, then waited for. The first stage has no stage before it, the last none after.
+
+    def recv_forward(self, m: int):
+        """Microbatch m's input: the batch's on the first stage, else the activation from the stage before."""
+        if self.before is None:
+            return self.inputs[m]
+        x = torch.empty(self.shape, dtype=self.dtype, device=launch.device())
+        send_recv(None, None, x, self.before, self.group, self.label(f"activation {m}"), PIPELINE)
+        return x.requires_grad_()  # its gradient is what this stage sends back
+
+    def send_forward(self, y, m: int) -> None:
+        if self.after is not None:
+            send_recv(y.detach(), self.after, None, None, self.group, self.label(f"activation {m}"), PIPELINE)
+
+    def recv_backward(self, y, k: int):
+        """The gradient of microbatch k's output y from the stage after (None on the last stage: y is the loss)."""
+        if self.after is None:
+            return None
+        dy = torch.empty_like(y)
+        send_recv(None, None, dy, self.after, self.group, self.label(f"gradient {k}"), PIPELINE)
+        return dy
+
+    def send_backward(self, dx, k: int) -> None:
+        if self.before is not None:
+            send_recv(dx, self.before, None, None, self.group, self.label(f"gradient {k}"), PIPELINE)
+
+    def send_forward_recv_backward(self, y, m: int, y_k, k: int):
+        """Send microbatch m's activation y on and receive the gradient of microbatch k's output y_k back."""
+        if self.after is None:
+            return None
+        dy = torch.empty_like(y_k)
+        what = self.label(f"activation {m} on, gradient {k} back")
+        send_recv(y.detach(), self.after, dy, self.after, self.group, what, PIPELINE)
+        return dy
+
+    def send_backward_recv_forward(self, dx, k: int, m: int):
+        """Send microbatch k's input gradient dx back and receive microbatch m's input."""
+        if self.before is None:
+            return self.inputs[m]
+        x = torch.empty(self.shape, dtype=self.dtype, device=launch.device())
+        what = self.label(f"gradient {k} back, activation {m} in")
+        send_recv(dx, self.before, x, self.before, self.group, what, PIPELINE)
+        return x.requires_grad_()
+
+    def label(self, what: str) -> str:
+        """What VERBOSE=1 prints of a message, and an error about it says."""
+        return f"pipeline stage {self.s}, {what}"
+
+
+def gpipe_step(layers: nn.Module, inputs, targets, loss_fn, n_microbatches: int, shape, dtype, group=None):
+    """One GPipe training step of this rank's stage `layers`: all M forwards, then all M backwards. The first
+    stage passes the batch `inputs`, the last `targets` and loss_fn(output, target) (a mean over a
+    microbatch); a stage after the first passes the `shape` and `dtype` of one microbatch's activation as it
+    arrives. The parameters' .grad add up the gradient of the batch loss, which the last stage returns
+    (the others: None)."""
+    stage = Stage(layers, inputs, targets, loss_fn, n_microbatches, shape, dtype, group)
+    kept = []  # (input, output) of each microbatch until its backward: all M of them at once
+    for m in range(stage.M):  # all forwards
+        x = stage.recv_forward(m)
+        y = stage.forward(x, m)
+        stage.send_forward(y, m)
+        kept.append((x, y))
+    for k in range(stage.M):  # all backwards, in the same order
+        x, y = kept.pop(0)
+        dy = stage.recv_backward(y, k)
+        dx = stage.backward(x, y, dy)
+        stage.send_backward(dx, k)
+    return stage.loss
+
+
+def one_f_one_b_step(layers: nn.Module, inputs, targets, loss_fn, n_microbatches: int, shape, dtype, group=None):
+    """One 1F1B training step: the same arguments, the same result as gpipe_step, in another order."""
+    stage = Stage(layers, inputs, targets, loss_fn, n_microbatches, shape, dtype, group)
+    M = stage.M
+    P = dist.get_world_size(group)
+    warmup = min(P - stage.s - 1, M)  # the forwards that the stages after this one need before their first backward
+    kept = []  # (input, output) of each microbatch between its forward and its backward: at most P-s
+    for m in range(warmup):  # warm-up: fill the pipe
+        x = stage.recv_forward(m)
+        y = stage.forward(x, m)
+        stage.send_forward(y, m)
+        kept.append((x, y))
+    if warmup < M:
+        x = stage.recv_forward(warmup)
+    for k in range(M - warmup):  # steady state: microbatch m = warmup + k goes in, microbatch k comes out
+        m = warmup + k
+        y = stage.forward(x, m)
+        kept.append((x, y))
+        x_k, y_k = kept.pop(0)
+        # One batch, not "send, then receive": here stage s sends activation m to s+1 while s+1, done with
+        # microbatch k's backward, sends its gradient to s, and a send ends only when its receive runs. Waited
+        # for one after the other, each send waits for a receive that its peer posts only after its own send:
+        # a hang, on gloo too. Posting the send without waiting is not enough on NCCL, which runs a rank's
+        # sends and receives one at a time, in the order posted. A batch goes through as one unit
+        # (tests/test_pipeline.py replays both under NCCL's rule).
+        dy = stage.send_forward_recv_backward(y, m, y_k, k)
+        dx = stage.backward(x_k, y_k, dy)
+        if m + 1 < M:
+            x = stage.send_backward_recv_forward(dx, k, m + 1)
         else:
-            (run.send if op.startswith("send") else run.recv)(action)
-            if trace:
-                launch.trace(f"stage {run.stage(c)} {op} microbatch {m}")
-        # a buffer goes once sent: holding all M until the end would undo 1F1B's memory saving
-        run.in_flight = [posted for posted in run.in_flight if not posted[0].is_completed()]
-        run.stats.peak_live = max(run.stats.peak_live, len(run.layers))
-        run.stats.events.append(Event(op, m, c, start, time.perf_counter() - t0))
-    run.take_turns()
-    if run.held:  # message_order was computed from another schedule
-        raise RuntimeError(f"rank {run.ranks[run.rank]} never reached the turn of {list(run.held)}")
-    for posted in run.in_flight:
-        wait(posted)
-    run.stats.bytes_sent = LEDGER.bytes["pipeline"] - counted  # the kit's wire counted every message
-    return run.loss, run.stats
+            stage.send_backward(dx, k)
+    for k in range(M - warmup, M):  # cool-down: drain the pipe
+        x, y = kept.pop(0)
+        dy = stage.recv_backward(y, k)
+        dx = stage.backward(x, y, dy)
+        stage.send_backward(dx, k)
+    return stage.loss
 
 
-@dataclass
-class StepStats:  # what one rank measured during one step
-    events: list = field(default_factory=list)  # Event(op, microbatch, chunk, start_s, end_s) since the start
-    peak_live: int = 0   # most microbatches (x chunks) whose activations were kept at once
-    bytes_sent: int = 0  # activations forward + their gradients backward + one shape header per stage
+# torch.distributed.pipelining's schedule that runs each step: the demo and the tests compare them
+STEPS = {"GPipe": (gpipe_step, "ScheduleGPipe"), "1F1B": (one_f_one_b_step, "Schedule1F1B")}
 
 
-class Executor:
-    """One rank's state during one step, by (microbatch, chunk): each computation is the method of its name."""
-
-    def __init__(self, chunks, schedule: Schedule, inputs, targets, loss_fn, group, no_sync):
-        self.chunks, self.group, self.loss_fn, self.no_sync = chunks, group, loss_fn, no_sync
-        self.P, self.rank, self.M = dist.get_world_size(group), dist.get_rank(group), schedule.n_microbatches
-        self.S, self.actions = self.P * schedule.n_chunks, schedule.actions[self.rank]
-        self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.P))  # global
-        self.inputs = inputs.chunk(self.M) if self.rank == 0 else None
-        self.targets = targets.chunk(self.M) if self.rank == self.P - 1 else None
-        self.split = any(a.op == "backward_weight" for a in self.actions)  # zero bubble: B and W apart
-        self.last_weights = {a.chunk: a.mb for a in self.actions if a.op in FREES}  # where DDP may sync
-        self.x, self.layers, self.dy, self.dx, self.w_grads = {}, {}, {}, {}, {}
-        self.shapes, self.announced = {}, set()  # activation shapes received; stages told their shape
-        self.local, self.loss = deque(), None  # messages to itself (one rank, several chunks)
-        self.held, self.in_flight, self.stats = {}, [], StepStats()  # sends not yet posted; posted, not done
-        self.order = deque(message_order(schedule)[self.rank]) if launch.nccl(group) else None
-
-    def stage(self, c: int) -> int:
-        return c * self.P + self.rank
-
-    def forward(self, m, c):
-        x, chunk, segments = self.inputs[m] if self.stage(c) == 0 else self.x.pop((m, c)), self.chunks[c], []
-        for layer in list(chunk) if self.split and isinstance(chunk, nn.Sequential) else [chunk]:
-            if segments:  # W needs each layer's output gradient: cut the graph there, (input, output) each
-                x = segments[-1][1].detach().requires_grad_(segments[-1][1].requires_grad)
-            segments.append((x, layer(x)))
-        if self.stage(c) == self.S - 1:  # the mean of M microbatch means is the batch mean
-            segments[-1] = (x, self.loss_fn(segments[-1][1], self.targets[m]) / self.M)
-            self.loss = segments[-1][1].detach() + (0 if self.loss is None else self.loss)
-        self.layers[m, c] = segments
-
-    def backward(self, m, c):
-        """B and W at once: one autograd pass from the output's gradient (the loss on the last stage)."""
-        (x, y), = self.layers.pop((m, c))
-        with self.sync(m, c):
-            if y.requires_grad:  # else nothing before it needs a gradient (a frozen first stage)
-                torch.autograd.backward(y, self.dy.pop((m, c), None))
-        if self.stage(c) > 0:
-            self.dx[m, c] = x.grad if x.grad is not None else torch.zeros_like(x)
-
-    def backward_input(self, m, c):
-        """B: the input's gradient only, layer by layer from the last; keeps each output's gradient for W."""
-        segments, dy, grads = self.layers[m, c], self.dy.pop((m, c), None), []
-        for x, y in reversed(segments):
-            grads.append(dy)
-            dy = torch.autograd.grad(y, x, dy, retain_graph=True)[0] if x.requires_grad and y.requires_grad else None
-        self.w_grads[m, c] = grads[::-1]
-        if self.stage(c) > 0:
-            self.dx[m, c] = dy if dy is not None else torch.zeros_like(segments[0][0])
-
-    def backward_weight(self, m, c):
-        """W: the weights' gradients from the layer outputs' gradients that B kept; frees the activations."""
-        roots = [(y, g) for (_, y), g in zip(self.layers.pop((m, c)), self.w_grads.pop((m, c))) if y.requires_grad]
-        params = [p for p in self.chunks[c].parameters() if p.requires_grad]
-        with self.sync(m, c):
-            if roots and params:
-                torch.autograd.backward(*zip(*roots), inputs=params)
-
-    def sync(self, m, c):
-        """Data parallelism: only a chunk's last weight-gradient computation may reduce the gradients."""
-        return contextlib.nullcontext() if self.no_sync is None or self.last_weights[c] == m else self.no_sync[c]()
-
-    def send(self, action):
-        m, c = action.mb, action.chunk
-        tensor = self.layers[m, c][-1][1].detach() if action.op == "send_act" else self.dx.pop((m, c))
-        peer, message = route(action, self.rank, self.P, self.S)
-        if peer == self.rank:  # one rank holding several chunks: the message stays here
-            return self.local.append(tensor)
-        first = message[0] == "act" and message[2] not in self.announced
-        tensors = [(tensor.contiguous(), "pipeline")]
-        if first or debug.DEBUG:  # the receiver learns the shape; in debug mode it checks every message
-            self.announced.add(message[2])
-            values = [KINDS.index(message[0]), *message[1:], DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-            header = torch.tensor(values + [0] * (HEADER_LEN - len(values)), device=launch.device())
-            tensors.insert(0, (header, "pipeline" if first else DEBUG))  # a debug header: not counted
-        self.held[message] = peer, tensors, self.label(action.op, m)
-        self.take_turns()
-
-    def take_turns(self, until=None):
-        """Post the held sends: on gloo at once, on NCCL in their turn in `message_order` (up to receive `until`)."""
-        order = self.order if self.order is not None else deque(("send", p, m) for m, (p, _, _) in self.held.items())
-        while order and order[0] != until and order[0][2] in self.held:
-            peer, tensors, label = self.held.pop(order.popleft()[2])
-            self.in_flight += [isend(t, peer, self.group, label, kind) for t, kind in tensors if t.numel()]
-        if until and self.order is not None and self.order.popleft() != until:
-            raise RuntimeError(f"rank {self.ranks[self.rank]} is out of message_order at {until}")
-
-    def recv(self, action):
-        (m, c), (peer, message) = action[1:], route(action, self.rank, self.P, self.S)
-        out = self.layers[m, c][-1][1] if message[0] == "grad" else None  # the gradient of what this rank sent
-        expected = (list(out.shape), out.dtype) if out is not None else self.shapes.get(message[::2])
-        if peer != self.rank:
-            self.take_turns(("recv", peer, message))
-        if peer != self.rank and (expected is None or debug.DEBUG):
-            kind, mb, j, dtype, ndim, *sizes = self.receive(
-                torch.empty(HEADER_LEN, dtype=torch.int64, device=launch.device()), peer, action,
-                "pipeline" if expected is None else DEBUG).tolist()
-            got = ((KINDS[kind], mb, j), (sizes[:ndim], DTYPES[dtype]))
-            if got[0] != message or got[1] != (expected or got[1]):
-                raise debug.Disagreement(f"rank {self.ranks[self.rank]} expects the {message[0]} of microbatch "
-                                         f"{m} for stage {message[2]}, {(expected or got[1])[0]}, from rank "
-                                         f"{self.ranks[peer]}, which sent the {KINDS[kind]} of microbatch {mb} "
-                                         f"for stage {j}, {sizes[:ndim]}: the ranks run different schedules or models")
-            expected = self.shapes[message[::2]] = got[1]  # by (act|grad, stage): only activations are looked up
-        tensor = self.local.popleft() if peer == self.rank else self.receive(
-            torch.empty(expected[0], dtype=expected[1], device=launch.device()), peer, action, "pipeline")
-        if message[0] == "act":
-            self.x[m, c] = tensor.requires_grad_()
-        else:
-            self.dy[m, c] = tensor
-
-    def receive(self, tensor, peer, action, kind):
-        wait(irecv(tensor, peer, self.group, self.label(action.op, action.mb), kind))
-        return tensor
-
-    def label(self, op, m) -> str:
-        """What a lost neighbour's error and VERBOSE=1 say of one message."""
-        return f"rank {self.ranks[self.rank]}, {op} of microbatch {m} with its pipeline neighbour"
-
-
-# ----- the reference: torch.distributed.pipelining (one process on the whole batch: kit/references.py) -----
-
-def torch_step(chunks: list, name: str, n_microbatches: int, loss_fn, group=None):
-    """torch's training step on the same chunks: step(inputs, targets) -> the batch loss on the last stage."""
-    P, r = dist.get_world_size(group), dist.get_rank(group)
-    schedule = torch_schedule(chunks, name, n_microbatches, loss_fn, group)
-
-    def step(inputs, targets):
-        losses = []
-        schedule.step(*[inputs] * (r == 0), **(dict(target=targets, losses=losses) if r == P - 1 else {}))
-        return torch.stack(losses).mean() if losses else None
-    return step
-
+# ----------------------------------------------------------------------------- demo
 
 def what_flows_between_stages(n_microbatches: int = 8, width: int = 8, group=None) -> tuple[str, bool]:
-    """One 1F1B step on every rank of `group`: the bytes each stage sent beside the formula, and whether every
-    message goes to a neighbour. Returns (figure, holds), the same on every rank."""
-    P, M = dist.get_world_size(group), n_microbatches
-    model, x, y = toy_pipeline(P, width, 2 * M)
-    plan = SCHEDULES["1f1b"](P, M)
-    _, stats = pipeline_step(pipeline_chunks(model, group), plan, x, y, nn.MSELoss(), group, trace=False)
-    act = 2 * width * 8  # a microbatch's activation: 2 rows of `width` fp64 numbers
-    want = [(s < P - 1) * (M * act + 8 * HEADER_LEN) + (s > 0) * M * act for s in range(P)]
-    sent = [None] * P
-    dist.all_gather_object(sent, stats.bytes_sent, group=group)
-    neighbours = all(abs(route(a, s, P, P)[0] - s) == 1 for s, actions in enumerate(plan.actions)
-                     for a in actions if a.op not in COMPUTE)
-    short = {"recv_act": "recv x", "send_act": "send x", "recv_grad": "recv dx", "send_grad": "send dx", "forward": "F"}
-    start = " ".join(short.get(a.op, "B") + str(a.mb) for a in plan.actions[min(1, P - 1)][:9])
-    return (f"1F1B, P = {P}, M = {M}: bytes sent per stage {sent} = M activations forward (not the last stage) + M "
-            f"gradients back (not the first) + one shape header; every message to a neighbour: {neighbours}; "
-            f"stage {min(1, P - 1)} begins: {start} ..."), sent == want and neighbours
+    """One textbook 1F1B step on every rank of `group`, a microbatch 2 rows of `width` fp64 numbers: the bytes
+    each stage sent beside the formula, the messages from stage to stage. (figure, holds), alike on every rank."""
+    P = dist.get_world_size(group)
+    M = n_microbatches
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(P))
+    x = torch.randn(2 * M, width, dtype=torch.float64, device=launch.device())
+    sends = Counter()  # stage -> messages this stage sent it
+
+    def count(event, peer, *_):  # the wire calls it with every message it counts
+        if event == "send":
+            sends[ranks.index(peer)] += 1
+    before = LEDGER.sent_by[PIPELINE]
+    LEDGER.watchers.append(count)
+    try:
+        stage = pipeline_chunks(mlp([width] * (P + 1)), group)[0]  # P Linear layers, one a stage
+        one_f_one_b_step(stage, x, x, nn.MSELoss(), M, (2, width), torch.float64, group)
+    finally:
+        LEDGER.watchers.remove(count)
+    everyone = [None] * P
+    dist.all_gather_object(everyone, (LEDGER.sent_by[PIPELINE] - before, sends), group=group)
+    sent = [n for n, _ in everyone]
+    pairs = {(s, t): n for s, (_, to) in enumerate(everyone) for t, n in sorted(to.items())}
+    neighbours = {(s, t): M for s in range(P) for t in (s - 1, s + 1) if 0 <= t < P}
+    act = 2 * width * 8  # bytes of a microbatch's activation, and of its gradient
+    want = [act * sum(n for (s, _), n in neighbours.items() if s == r) for r in range(P)]
+    said = ", ".join(f"{s}->{t} {n}" for (s, t), n in pairs.items())
+    return (f"1F1B, P = {P}, M = {M}: bytes sent per stage {sent} = M activations forward (not the last stage) + "
+            f"M gradients back (not the first); messages from stage to stage: {said or 'none'}"), \
+        sent == want and pairs == neighbours
 
 
-def toy_pipeline(n_blocks: int, width: int, batch: int) -> tuple:
-    """Linear + Tanh blocks in fp64 and a batch (x, y): the same on every rank."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(n_blocks) for m in (nn.Linear(width, width), nn.Tanh())]).to(
-        launch.device(), torch.float64)
-    return model, *(torch.randn(batch, width, dtype=torch.float64, device=launch.device()) for _ in "xy")
+def against_references(step, schedule: str, P: int, M: int, width: int) -> tuple[float, float]:
+    """One textbook step on P stages of fp64 Linear layers: the largest |difference| of its loss and gradients
+    from one process on the whole batch, and that of torch's `schedule` on the same stages."""
+    model = mlp([width] * (P + 1))
+    x = torch.randn(3 * M, width, dtype=torch.float64, device=launch.device())  # inputs, and targets
+    chunks = pipeline_chunks(model)
 
+    def ours(loss_fn, first):
+        return step(chunks[0], x, x, loss_fn, M, (3, width), torch.float64), None
 
-# ----- demo: every schedule against torch.distributed.pipelining and one process -----
+    def theirs(loss_fn):
+        return references.torch_step(chunks, schedule, M, loss_fn)(x, x)
+    mine, torchs, _ = references.against_one_process(model, chunks, x, x, ours, theirs)
+    return mine, torchs
+
 
 def parser():
     p = launch.demo_parser(__doc__)
-    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
-    p.add_argument("--chunks", type=int, default=2, help="v, model chunks per rank of the interleaved schedule")
+    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step (at least P)")
     p.add_argument("--width", type=int, default=24, help="features of every activation")
     return p
 
 
 def demo(args) -> int:
-    P, M, w = launch.env_world_size(), args.microbatches, args.width
-    launch.require(w >= 1, "--width must be at least 1")
-    plans = schedules_for(SCHEDULES, P, M, args.chunks)
+    P = launch.env_world_size()
+    M = args.microbatches
+    launch.require(args.width >= 1, "--width must be at least 1")
+    launch.require(M >= P, f"--microbatches must be at least the rank count, {P}: torch's Schedule1F1B refuses fewer")
     launch.setup()
     launch.print0(f"P={P} M={M}, fp64, one step: the largest |difference| of loss and gradients from one process on "
-                  f"the whole batch\n{'schedule':<16} | {'mini_dist':>9} | {'torch':>9}")
+                  f"the whole batch\n{'step':<6} | {'mini_dist':>9} | torch's")
     worst = 0.0
-    for name, plan in plans.items():
-        model, x, y = toy_pipeline(2 * P * plan.n_chunks, w, 3 * M)
-        chunks = pipeline_chunks(model, None, plan.n_chunks)
-        trace = launch.VERBOSE and name == next(iter(plans))
-        ours, theirs, _ = references.against_one_process(
-            model, chunks, x, y, lambda loss, first: pipeline_step(chunks, plan, x, y, loss, trace=trace and first),
-            lambda loss: torch_step(chunks, name, plan.n_microbatches, loss)(x, y))
+    for name, (step, schedule) in STEPS.items():
+        ours, theirs = against_references(step, schedule, P, M, args.width)
         worst = max(worst, ours, theirs)
-        launch.print0(f"{name + f' v={plan.n_chunks}' * (plan.n_chunks > 1):<16} | {ours:>9.1e} | {theirs:>9.1e}")
-    flows, flows_ok = what_flows_between_stages(M, w)
+        launch.print0(f"{name:<6} | {ours:>9.1e} | {theirs:.1e} ({schedule})")
+    flows, flows_ok = what_flows_between_stages(M, args.width)
     launch.print0(f"\nwhat flows between stages: {flows}")
     # fp64 rounding differences are ~1e-16; a lost microbatch or a wrong 1/M would be >= 1e-3
-    return launch.conclude("pipeline", worst < 1e-12, f"{len(plans)} schedules = torch = full batch (fp64, "
-                           f"{worst:.0e})", flows_ok, "bytes sent per stage = M activations each way + one header; "
-                           "only neighbours talk")
+    return launch.conclude("pipeline", worst < 1e-12, f"GPipe and 1F1B = torch = full batch (fp64, {worst:.0e})",
+                           flows_ok, "bytes sent per stage = M activations each way; only neighbours talk")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 While a pipeline fills and drains, ranks wait. With P stages, M microbatches and every stage taking F
 for a forward, B for its input's gradient and W for its weights' gradient, the simulator below plays a
-schedule exactly as mini_dist/pipeline.py runs it (a send never blocks, a receive waits for its message)
+schedule exactly as mini_dist/pipeline_executor.py runs it (a send never blocks, a receive waits for its message)
 and finds the share of the step that ranks spend waiting, which for M >= P is what the papers say:
 
     GPipe, 1F1B         (P-1)(F+B+W) / (M(F+B+W) + (P-1)(F+B+W))  =  (P-1) / (M+P-1)
@@ -25,7 +25,6 @@ shared machine is shown, never judged.
 """
 import math
 import sys
-import textwrap
 import time
 from collections import defaultdict, deque
 from pathlib import Path
@@ -38,15 +37,18 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.kit import launch, references, weakly
 from mini_dist.kit.timing import median, quantile
-from mini_dist.pipeline import pipeline_step, torch_step
-from mini_dist.pipeline_schedules import (COMPUTE, SCHEDULES, Event, Schedule, label, live_microbatches, route,
-                                          schedules_for)
+from mini_dist.pipeline_actions import COMPUTE, Event, Schedule, label, live_microbatches, route
+from mini_dist.pipeline_executor import pipeline_step
+from mini_dist.pipeline_schedules import SCHEDULES, TORCH_SCHEDULES, schedules_for
 from mini_dist.pipeline_stages import pipeline_chunks
+
+BEFORE = {"backward": "forward", "backward_input": "forward", "backward_weight": "backward_input"}
 
 
 def bubble_formula(name: str, P: int, M: int, v: int = 1) -> float:
     """The papers' bubble fraction for uniform stage times (F = B = W for zero bubble), M >= P."""
-    return (P - 1) / ({"interleaved": v, "zero_bubble": 3}.get(name, 1) * M + P - 1)
+    shorter = {"interleaved": v, "zero_bubble": 3}.get(name, 1)  # how many times shorter the fill and drain
+    return (P - 1) / (shorter * M + P - 1)
 
 
 def simulate(schedule: Schedule, F: float = 1, B: float = 1, W: float = 1) -> list[list[Event]]:
@@ -56,19 +58,23 @@ def simulate(schedule: Schedule, F: float = 1, B: float = 1, W: float = 1) -> li
     RuntimeError on a deadlock (no rank can move), a receive that would get another message, a backward
     before its forward or a W before its B, and a message never read."""
     P = len(schedule.actions)
-    S, cost = P * schedule.n_chunks, {"forward": F, "backward": B + W, "backward_input": B, "backward_weight": W}
-    before = {"backward": "forward", "backward_input": "forward", "backward_weight": "backward_input"}
-    timeline, clock, pc, done = [[] for _ in range(P)], [0] * P, [0] * P, set()
+    S = P * schedule.n_chunks
+    cost = {"forward": F, "backward": B + W, "backward_input": B, "backward_weight": W}
+    timeline = [[] for _ in range(P)]
+    clock = [0] * P  # each rank's time
+    pc = [0] * P     # each rank's next action
+    done = set()     # (rank, op, microbatch, chunk) computed
     wires = defaultdict(deque)  # (from, to) -> [(message, time sent)] in the order sent
     moved = True
     while moved:
         moved = False
         for r in range(P):
             while pc[r] < len(schedule.actions[r]):
-                a, start = schedule.actions[r][pc[r]], clock[r]
+                a = schedule.actions[r][pc[r]]
+                start = clock[r]
                 if a.op in cost:
-                    if a.op in before and (r, before[a.op], a.mb, a.chunk) not in done:
-                        raise RuntimeError(f"rank {r} runs {a} before its {before[a.op]}")
+                    if a.op in BEFORE and (r, BEFORE[a.op], a.mb, a.chunk) not in done:
+                        raise RuntimeError(f"rank {r} runs {a} before its {BEFORE[a.op]}")
                     clock[r] += cost[a.op]
                     done.add((r, a.op, a.mb, a.chunk))
                 elif a.op.startswith("send"):
@@ -77,13 +83,14 @@ def simulate(schedule: Schedule, F: float = 1, B: float = 1, W: float = 1) -> li
                 else:
                     peer, message = route(a, r, P, S)
                     if not wires[peer, r]:
-                        break
+                        break  # its message is not sent yet: the next rank's turn
                     got, at = wires[peer, r].popleft()
                     if got != message:
                         raise RuntimeError(f"rank {r} {a.op} expects {message} but rank {peer} sent {got} first")
                     clock[r] = max(clock[r], at)
                 timeline[r].append(Event(a.op, a.mb, a.chunk, start, clock[r]))
-                pc[r], moved = pc[r] + 1, True
+                pc[r] += 1
+                moved = True
     stuck = [f"rank {r} at {schedule.actions[r][pc[r]]}" for r in range(P) if pc[r] < len(schedule.actions[r])]
     if stuck:
         raise RuntimeError("deadlock: " + ", ".join(stuck))
@@ -107,9 +114,15 @@ def timeline_picture(timeline: list[list[Event]], unit: float = 1, letters: bool
     column is one character: F, B or W (lowercase on a rank's second chunk and after)."""
     compute = [[e for e in rank if e.op in COMPUTE] for rank in timeline]
     chunks = max(e.chunk for rank in compute for e in rank) > 0
-    end, cell = max(e.end for rank in compute for e in rank), 1 if letters else cell_width(timeline)
-    text = (lambda e: label(e, False)[0].lower() if e.chunk else label(e, False)[0]) if letters else \
-        (lambda e: label(e, chunks))
+    end = max(e.end for rank in compute for e in rank)
+    cell = 1 if letters else cell_width(timeline)
+
+    def text(e) -> str:
+        """What a column shows of event e."""
+        if not letters:
+            return label(e, chunks)
+        letter = label(e, False)[0]
+        return letter.lower() if e.chunk else letter
     rows = []
     for r, events in enumerate(compute):
         cells = (next((text(e) for e in events if e.start <= (k + 0.5) * unit < e.end), ".")
@@ -120,8 +133,9 @@ def timeline_picture(timeline: list[list[Event]], unit: float = 1, letters: bool
 
 def cell_width(timeline: list[list[Event]]) -> int:
     """Characters per column of a labelled picture: the longest label (F12b) and a space."""
-    mb, chunk = max(e.mb for rank in timeline for e in rank), max(e.chunk for rank in timeline for e in rank)
-    return 2 + len(str(mb)) + (chunk > 0)
+    mb = max(e.mb for rank in timeline for e in rank)
+    chunk = max(e.chunk for rank in timeline for e in rank)
+    return 2 + len(str(mb)) + (1 if chunk > 0 else 0)
 
 
 def fitting_columns(timelines: list, unit: float, width: int = 100) -> tuple[float, bool]:
@@ -133,33 +147,6 @@ def fitting_columns(timelines: list, unit: float, width: int = 100) -> tuple[flo
     return max(unit, end / (width - 8)), True
 
 
-def gpipe_vs_1f1b(P: int = 4, M: int = 8) -> tuple[str, bool]:
-    """GPipe and 1F1B simulated with uniform stages: the same bubble, (P-1)/(M+P-1), but GPipe keeps the
-    activations of M microbatches on every stage, 1F1B min(P-r, M) on stage r. Returns (figure, holds)."""
-    bubble, kept = {}, {}
-    for name in ("gpipe", "1f1b"):
-        plan = SCHEDULES[name](P, M)
-        bubble[name], kept[name] = bubble_fraction(simulate(plan)), [live_microbatches(a) for a in plan.actions]
-    formula = bubble_formula("1f1b", P, M)
-    return (f"P = {P}, M = {M}, simulated: bubble GPipe {bubble['gpipe']:.3f}, 1F1B {bubble['1f1b']:.3f} = "
-            f"(P-1)/(M+P-1) = {formula:.3f}; activations kept at the peak per stage, in microbatches: GPipe "
-            f"{kept['gpipe']}, 1F1B {kept['1f1b']}"), all(abs(b - formula) < 1e-12 for b in bubble.values()) and \
-        kept["gpipe"] == [M] * P and kept["1f1b"] == [min(P - r, M) for r in range(P)]
-
-
-def interleaved_and_zero_bubble(P: int = 4, M: int = 8, v: int = 2) -> tuple[str, bool]:
-    """1F1B, interleaved 1F1B (v chunks, each 1/v of a stage) and ZB-H1 simulated with F = B = W: each
-    bubble beside its formula (which only 1F1B keeps for M < P). Returns (figure, holds)."""
-    seen = {}
-    for name, chunks in (("1f1b", 1), ("interleaved", v), ("zero_bubble", 1)):
-        ideal = simulate(SCHEDULES[name](P, M, chunks), *[1 / chunks] * 3)  # a chunk computes 1/v of a stage
-        seen[name] = (bubble_fraction(ideal), bubble_formula(name, P, M, v))
-    return (f"P = {P}, M = {M}, F = B = W, simulated (formula): 1F1B {seen['1f1b'][0]:.3f} ({seen['1f1b'][1]:.3f}), "
-            f"interleaved v = {v} {seen['interleaved'][0]:.3f} ({seen['interleaved'][1]:.3f}), zero bubble ZB-H1 "
-            f"{seen['zero_bubble'][0]:.3f} ({seen['zero_bubble'][1]:.3f})"), \
-        all(abs(a - b) < 1e-12 if M >= P or name == "1f1b" else a >= b for name, (a, b) in seen.items())
-
-
 # ----- measured: stages that sleep for their compute -----
 
 class SimulatedCompute(nn.Module):
@@ -168,15 +155,17 @@ class SimulatedCompute(nn.Module):
 
     def __init__(self, seconds: float):
         super().__init__()
-        self.seconds, self.weight = seconds, nn.Parameter(torch.ones((), dtype=torch.float64))  # cpu: until model.to
+        self.seconds = seconds
+        self.weight = nn.Parameter(torch.ones((), dtype=torch.float64))  # cpu: until model.to
         self.weight.register_hook(weakly(self.compute))  # W
 
     def forward(self, x):
         if x.requires_grad:
             x.register_hook(weakly(self.compute))  # B
-        return self.compute(x) or x * self.weight
+        self.compute(x)
+        return x * self.weight
 
-    def compute(self, t):
+    def compute(self, t) -> None:
         if t.is_cuda:  # a kernel starts once its input has arrived; on a GPU, irecv().wait() did not block
             torch.cuda.synchronize(t.device)
         time.sleep(self.seconds)
@@ -188,17 +177,24 @@ def measure(name: str, P: int, M: int, v: int, seconds: float, steps: int, trace
     torch.manual_seed(0)  # the same model and batch on every rank
     model = nn.Sequential(*[m for _ in range(P * v) for m in (
         nn.Linear(width, width), nn.Tanh(), SimulatedCompute(seconds))]).to(launch.device(), torch.float64)
-    x, y = (torch.randn(4 * M, width, dtype=torch.float64, device=launch.device()) for _ in "xy")
+    x = torch.randn(4 * M, width, dtype=torch.float64, device=launch.device())
+    y = torch.randn(4 * M, width, dtype=torch.float64, device=launch.device())
     chunks = pipeline_chunks(model, None, v, [3] * P * v)
     plan = SCHEDULES[name](P, M, v)
-    ours, theirs, mine = references.against_one_process(
-        model, chunks, x, y, lambda loss, first: pipeline_step(chunks, plan, x, y, loss, trace=trace and first),
-        lambda loss: torch_step(chunks, name, M, loss)(x, y), steps)
-    every = [[None] * P for _ in mine]
-    for stats, gathered in zip(mine, every):
-        dist.all_gather_object(gathered, stats)
-    return max(ours, theirs), every
 
+    def ours(loss_fn, first):
+        return pipeline_step(chunks, plan, x, y, loss_fn, trace=trace and first)
+
+    def theirs(loss_fn):
+        return references.torch_step(chunks, TORCH_SCHEDULES[name], M, loss_fn)(x, y)
+    mine, torchs, stats = references.against_one_process(model, chunks, x, y, ours, theirs, steps)
+    every = [[None] * P for _ in stats]
+    for step, gathered in zip(stats, every):
+        dist.all_gather_object(gathered, step)
+    return max(mine, torchs), every
+
+
+# ----------------------------------------------------------------------------- demo
 
 def parser():
     p = launch.demo_parser(__doc__)
@@ -210,42 +206,53 @@ def parser():
     return p
 
 
+def pictures(name: str, plan: Schedule, ideal: list, measured: list, unit: float) -> str:
+    """The ideal timeline above the measured one, rank by rank, in columns that fit the screen."""
+    unit, letters = fitting_columns([ideal, measured], unit)
+    rows = zip(*(timeline_picture(timeline, unit, letters).split("\n") for timeline in (ideal, measured)))
+    chunks = f" v={plan.n_chunks}" if plan.n_chunks > 1 else ""
+    legend = " (F, B, W; lowercase: a later chunk)" if letters else ""
+    return (f"\n{name}{chunks}, P={len(plan.actions)} M={plan.n_microbatches}, a column = {unit * 1e3:.1f} ms{legend}; "
+            f"each rank: ideal (simulated) over measured (the median step):\n"
+            + "\n".join(f"{a}\n{'':7}|{b[8:]}" for a, b in rows))
+
+
 def demo(args) -> int:
-    P, M, t, n = launch.env_world_size(), args.microbatches, args.stage_ms / 1e3, args.steps
+    P = launch.env_world_size()
+    M = args.microbatches
+    t = args.stage_ms / 1e3
+    n = args.steps
     launch.require(t > 0 and n >= 1, "--stage-ms must be positive and --steps at least 1")
     plans = schedules_for(args.schedules, P, M, args.chunks)
     launch.setup()
-    worst, rows, figure_ok = 0.0, [], True
+    worst = 0.0
+    rows = []
+    figure_ok = True
     for name, plan in plans.items():
         v = plan.n_chunks
         diff, steps = measure(name, P, M, v, t / v, n, trace=launch.VERBOSE and name == next(iter(plans)))
         bubbles = [bubble_fraction([s.events for s in ranks]) for ranks in steps]
         middle = sorted(range(n), key=bubbles.__getitem__)[n // 2]  # the step of median bubble, pictured
-        ideal, measured = simulate(plan, *[t / v] * 3), [s.events for s in steps[middle]]
-        worst, live, simulated = max(worst, diff), [live_microbatches(a) for a in plan.actions], bubble_fraction(ideal)
+        ideal = simulate(plan, t / v, t / v, t / v)
+        worst = max(worst, diff)
+        live = [live_microbatches(a) for a in plan.actions]
+        simulated = bubble_fraction(ideal)
         formula = bubble_formula(name, P, M, v)
         # deterministic: the simulated bubble is the papers' (above it for M < P with chunks), every step kept
         # the activations the schedule says; the wall clock of a shared machine is shown, never judged
-        figure_ok &= (abs(simulated - formula) < 1e-9 if M >= P or name in ("gpipe", "1f1b") else simulated >= formula)
-        figure_ok &= all([s.peak_live for s in ranks] == live for ranks in steps)
-        unit, letters = fitting_columns([ideal, measured], t / v)
-        pictures = zip(*(timeline_picture(tl, unit, letters).split("\n") for tl in (ideal, measured)))
-        launch.print0(f"\n{name}" + f" v={v}" * (v > 1) + f", P={P} M={M}, a column = {unit * 1e3:.1f} ms"
-                      + " (F, B, W; lowercase: a later chunk)" * letters
-                      + "; each rank: ideal (simulated) over measured (the median step):\n"
-                      + "\n".join(f"{a}\n{'':7}|{b[8:]}" for a, b in pictures))
-        rows.append(f"{name + f' v={v}' * (v > 1):<16} | {median(bubbles):>6.3f} ({quantile(bubbles, 0.1):.3f}-"
+        if M >= P or name in ("gpipe", "1f1b"):
+            figure_ok = figure_ok and abs(simulated - formula) < 1e-9
+        else:
+            figure_ok = figure_ok and simulated >= formula
+        figure_ok = figure_ok and all([s.peak_live for s in ranks] == live for ranks in steps)
+        launch.print0(pictures(name, plan, ideal, [s.events for s in steps[middle]], t / v))
+        shown = name if v == 1 else f"{name} v={v}"
+        rows.append(f"{shown:<16} | {median(bubbles):>6.3f} ({quantile(bubbles, 0.1):.3f}-"
                     f"{quantile(bubbles, 0.9):.3f}) | {simulated:>9.3f} | {formula:>7.3f} | {live}")
     launch.print0(f"\nbubble: the share of P x (step time) that ranks wait. Measured: wall clock of sleeping stages, "
                   f"median of {n} steps (10-90%)\non a shared machine, shown, not checked. Peak: activations kept at "
                   f"once on each rank, in microbatches (x chunks)\n{'schedule':<16} | {'measured (10-90%)':>20} | "
                   f"{'simulated':>9} | {'formula':>7} | peak per rank\n" + "\n".join(rows) + "\n")
-    for question, needs, sizes in ((gpipe_vs_1f1b, ("gpipe", "1f1b"), (P, M)), (interleaved_and_zero_bubble,
-                                   ("1f1b", "interleaved", "zero_bubble"), (P, M, args.chunks))):
-        if set(needs) <= set(plans):
-            figure, holds = question(*sizes)
-            launch.print0(textwrap.fill(f"{question.__name__}: {figure}", 100, subsequent_indent="    "))
-            figure_ok &= holds
     # fp64 rounding differences are ~1e-16; a lost microbatch or a wrong 1/M would be >= 1e-3
     return launch.conclude("pipeline_bubble", worst < 1e-12, f"{len(plans)} schedules = torch = full batch (fp64, "
                            f"{worst:.0e})", figure_ok, "simulated bubble = the formula; activations kept as scheduled")

@@ -42,12 +42,17 @@ def balanced_split(costs: list[int], n_stages: int) -> list[int]:
     prefix = [0, *itertools.accumulate(costs)]
 
     @functools.cache
-    def best(p: int, i: int) -> tuple:  # (cost of the costliest stage, sizes) for layers [0, i) on p stages
+    def best(p: int, i: int) -> tuple:
+        """(cost of the costliest stage, layers per stage) of the best cut of layers [0, i) into p stages."""
         if p == 1:
             return prefix[i], (i,)
-        return min((max(best(p - 1, j)[0], prefix[i] - prefix[j]), best(p - 1, j)[1] + (i - j,))
-                   for j in range(p - 1, i))
-    return list(best(n_stages, len(costs))[1])
+        cuts = []
+        for j in range(p - 1, i):  # the last stage holds layers [j, i), the p-1 before it the best cut of [0, j)
+            costliest, sizes = best(p - 1, j)
+            cuts.append((max(costliest, prefix[i] - prefix[j]), sizes + (i - j,)))
+        return min(cuts)
+    _, sizes = best(n_stages, len(costs))
+    return list(sizes)
 
 
 def layer_costs(model: nn.Sequential) -> list[int]:
@@ -77,9 +82,10 @@ def pipeline_chunks(model: nn.Sequential, group=None, n_chunks: int = 1, sizes=N
     return split_model(model, P * n_chunks, sizes)[r::P]
 
 
-# ----- demo: the naive cut beside the balanced one, on layers that grow wider -----
+# ----------------------------------------------------------------------------- demo
 
 def stage_costs(costs: list[int], sizes: list[int]) -> list[int]:
+    """What each stage of a cut costs: the sum of its layers' costs."""
     bounds = [0, *itertools.accumulate(sizes)]
     return [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
 
@@ -92,13 +98,16 @@ def parser():
 
 
 def demo(args) -> int:
-    P, L, v = launch.env_world_size(), args.layers, args.chunks
+    P = launch.env_world_size()
+    L = args.layers
+    v = args.chunks
     launch.require(v >= 1 and L >= P * v, f"--layers must be at least P*v = {P * v} (a stage needs a layer)")
     launch.setup()
     torch.manual_seed(0)  # the same model on every rank
     model = nn.Sequential(*[nn.Linear(8 * (i + 1), 8 * (i + 2)) for i in range(L)]).to(launch.device())
     costs = layer_costs(model)
-    naive, balanced = equal_split(L, P), balanced_split(costs, P)
+    naive = equal_split(L, P)
+    balanced = balanced_split(costs, P)
     brute = min(max(stage_costs(costs, [b - a for a, b in zip((0, *cuts), (*cuts, L))]))
                 for cuts in itertools.combinations(range(1, L), P - 1))
     launch.print0(f"P={P}, L={L} layers of growing width, cost = parameters + 1, per stage:\n"
@@ -106,7 +115,8 @@ def demo(args) -> int:
     for name, sizes in (("equal", naive), ("balanced", balanced)):
         launch.print0(f"{name:<10} | {str(sizes):<20} | {str(stage_costs(costs, sizes)):<36} | "
                       f"{max(stage_costs(costs, sizes)):,}")
-    slow_naive, slow_balanced = max(stage_costs(costs, naive)), max(stage_costs(costs, balanced))
+    slow_naive = max(stage_costs(costs, naive))
+    slow_balanced = max(stage_costs(costs, balanced))
     launch.print0(f"a full pipe runs at the slowest stage's pace: the balanced cut is "
                   f"{slow_naive / slow_balanced:.2f}x faster than the equal one (the best of all {L - 1} choose "
                   f"{P - 1} cuts: {brute:,})")

@@ -1,9 +1,9 @@
 """5D parallelism: a tiny GPT trained with data, pipeline, context, tensor and expert parallelism at once.
 
-The world is a dp x pp x cp x tp grid of ranks (mini_dist/mesh.py), expert parallelism on ep ranks of its
-dp x cp product. Each rank holds 1/pp of the layers (a pipeline stage, or v chunks of an interleaved one),
-1/tp of their weights, E/ep of the experts, and sees 1/dp of the global batch and 1/cp of each sequence
-(mini_dist/parallel_gpt.py). The stage runs M microbatches on a pipeline schedule (mini_dist/pipeline.py);
+The world is a dp x pp x cp x tp grid of ranks (mini_dist/mesh.py), expert parallelism on ep ranks of its dp x cp
+product. Each rank holds 1/pp of the layers (a pipeline stage, or v chunks of an interleaved one), 1/tp of their
+weights, E/ep of the experts, and sees 1/dp of the global batch and 1/cp of each sequence
+(mini_dist/parallel_gpt.py). The stage runs M microbatches on a pipeline schedule (mini_dist/pipeline_executor.py);
 then data parallelism over the dp x cp ranks, which hold the same weights and saw other tokens, updates them:
 
     --zero 0   DDP (mini_dist/ddp.py), inside the pipeline: every backward of a chunk but its last runs under
@@ -45,7 +45,7 @@ from mini_dist.kit.measure import PeakSaved, side_by_side
 from mini_dist.mesh import Mesh, RankGrid, grid_for
 from mini_dist.parallel_gpt import Config, dense_model, get_batch, kind, local_batch, padded_vocab, parallel_model
 from mini_dist.parallel_gpt import configuration_error as model_error
-from mini_dist.pipeline import pipeline_step
+from mini_dist.pipeline_executor import pipeline_step
 from mini_dist.pipeline_schedules import SCHEDULES
 from mini_dist.pipeline_stages import balanced_split, pipeline_chunks
 from mini_dist.ring_pipelined import ring_all_reduce

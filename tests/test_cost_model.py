@@ -6,7 +6,7 @@ Everything here is integer arithmetic, so the assertions are exact (==), except 
 rounding by at most 2^-53. Cross-checks against measurements: PyTorch's own optimizer state tensors
 (single process), the bytes activation_checkpoint.py's transformer layer keeps for backward (with and
 without checkpointing), and the byte ledgers of ring_allreduce.py, ddp.py, zero.py, fsdp.py, the tensor-
-parallel block (plain and recomputed) and pipeline.py (multi-rank, via the harness).
+parallel block (plain and recomputed) and pipeline_executor.py (multi-rank, via the harness).
 """
 import functools
 import math
@@ -357,7 +357,8 @@ def test_tensor_parallel_bytes_per_layer_equal_the_counter_of_the_parallel_block
 
 def pp_bytes(P, M, batch, h, name):
     """One pipeline step over P stages of Linear(h, h): the bytes this stage sent."""
-    from mini_dist.pipeline import HEADER_LEN, pipeline_step
+    from mini_dist.pipeline_executor import pipeline_step
+    from mini_dist.pipeline_messages import HEADER_LEN
     from mini_dist.pipeline_schedules import SCHEDULES
     from mini_dist.pipeline_stages import pipeline_chunks
     from harness import subgroup

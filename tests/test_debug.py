@@ -3,7 +3,7 @@
 Without the debug mode, an all-reduce of tensors with the same number of elements but another shape runs and
 returns a wrong sum: that is the mistake the mode exists for. With it, every rank raises naming the rank, both
 shapes and the lines that called (the mini_dist layer and the user's own line). A vanished peer is named by
-the kit's wire (tests/test_wire.py, tests/test_ring_allreduce.py, tests/test_pipeline.py).
+the kit's wire (tests/test_wire.py, tests/test_ring_allreduce.py, tests/test_pipeline_executor.py).
 """
 import os
 

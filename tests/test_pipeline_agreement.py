@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from harness import RankFailure, device, run
-from mini_dist.pipeline import pipeline_step
+from mini_dist.pipeline_executor import pipeline_step
 from mini_dist.pipeline_agreement import in_action_order, message_order, under_nccls_rule
 from mini_dist.pipeline_schedules import SCHEDULES
 from mini_dist.pipeline_stages import pipeline_chunks
@@ -20,9 +20,11 @@ from mini_dist.pipeline_stages import pipeline_chunks
 
 def step_on_a_batch(batch, n_microbatches, first_has_inputs=True, n_targets=None):
     """Inputs only on the first stage, targets only on the last: the middle must still reject alike."""
-    P, s = dist.get_world_size(), dist.get_rank()
+    P = dist.get_world_size()
+    s = dist.get_rank()
     stage = pipeline_chunks(nn.Sequential(*[nn.Linear(2, 2) for _ in range(P)]).to(device()))[0]
-    x, y = torch.randn(batch, 2, device=device()), torch.randn(n_targets or batch, 2, device=device())
+    x = torch.randn(batch, 2, device=device())
+    y = torch.randn(n_targets or batch, 2, device=device())
     return pipeline_step(stage, SCHEDULES["gpipe"](P, n_microbatches), x if s == 0 and first_has_inputs else None,
                          y if s == P - 1 else None, nn.MSELoss())[0]
 
@@ -41,9 +43,11 @@ def test_every_rank_rejects_a_bad_batch_alike_and_none_hangs(args, error):
 
 def step_with(schedule_of_rank, batch=4):
     """One step where each rank builds its schedule with schedule_of_rank(rank) -> (name, M)."""
-    P, s = dist.get_world_size(), dist.get_rank()
+    P = dist.get_world_size()
+    s = dist.get_rank()
     stage = pipeline_chunks(nn.Sequential(*[nn.Linear(2, 2) for _ in range(P)]).to(device()))[0]
-    x, y = torch.randn(batch, 2, device=device()), torch.randn(batch, 2, device=device())
+    x = torch.randn(batch, 2, device=device())
+    y = torch.randn(batch, 2, device=device())
     name, M = schedule_of_rank(s)
     return pipeline_step(stage, SCHEDULES[name](P, M), x, y, nn.MSELoss())[0]
 
@@ -79,7 +83,8 @@ def test_ranks_that_built_different_schedules_all_raise_at_once_naming_them(sche
 def step_where(rank_differs, how):
     """One 1f1b step (M = 4) in which rank `rank_differs` holds two chunks, or a schedule with two actions
     swapped, or every rank runs a schedule built for one stage fewer."""
-    P, s = dist.get_world_size(), dist.get_rank()
+    P = dist.get_world_size()
+    s = dist.get_rank()
     layers = nn.Sequential(*[nn.Linear(2, 2) for _ in range(2 * P)]).to(device())
     chunks = pipeline_chunks(layers, None, 2 if how == "chunks" and s == rank_differs else 1)
     plan = SCHEDULES["1f1b"](P - (how == "stages"), 4)
@@ -87,7 +92,8 @@ def step_where(rank_differs, how):
         mine = list(plan.actions[s])
         mine[0], mine[1] = mine[1], mine[0]
         plan = dataclasses.replace(plan, actions=plan.actions[:s] + (tuple(mine),) + plan.actions[s + 1:])
-    x, y = torch.randn(4, 2, device=device()), torch.randn(4, 2, device=device())
+    x = torch.randn(4, 2, device=device())
+    y = torch.randn(4, 2, device=device())
     return pipeline_step(chunks, plan, x, y, nn.MSELoss())[0]
 
 

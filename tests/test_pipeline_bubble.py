@@ -1,13 +1,14 @@
 """The bubble, predicted: the simulator plays a schedule as the executor runs it, finds the papers' bubble for
 uniform stage times (exactly, where the papers give a formula), and reports a schedule that cannot run; its
-timeline prints as a picture. (The executor's measured timelines are checked in test_pipeline.py.)"""
+timeline prints as a picture. (The executor's measured timelines are checked in test_pipeline_executor.py.)"""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mini_dist.pipeline_bubble import (bubble_formula, bubble_fraction, fitting_columns, gpipe_vs_1f1b,
-                                       interleaved_and_zero_bubble, simulate, timeline_picture)
-from mini_dist.pipeline_schedules import SCHEDULES, Action, Schedule
+from mini_dist.pipeline_actions import Action, Schedule
+from mini_dist.pipeline_bubble import bubble_formula, bubble_fraction, fitting_columns, simulate, timeline_picture
+from mini_dist.pipeline_schedules import SCHEDULES
+from mini_dist.questions.pipelines import gpipe_vs_1f1b, interleaved_and_zero_bubble
 from test_pipeline_schedules import schedules
 
 
@@ -17,14 +18,18 @@ from test_pipeline_schedules import schedules
 def test_the_simulated_bubble_is_the_papers_formula_for_uniform_stage_times(schedule, F, B, W):
     # Integer durations: the simulated bubble is one correctly rounded division of a rational, as is the
     # formula, so they agree exactly where they are the same rational.
-    P, M, v, name = len(schedule.actions), schedule.n_microbatches, schedule.n_chunks, schedule.name
+    P = len(schedule.actions)
+    M = schedule.n_microbatches
+    v = schedule.n_chunks
+    name = schedule.name
     simulated = bubble_fraction(simulate(schedule, F, B, W))
     formula = bubble_formula(name, P, M, v)
     if name == "zero_bubble":
         if v > 1 or W > min(F, B):
             return  # the papers give no closed form here; the simulator still plays it (tests above)
         # ZB-H1 leaves (P-1)(F+B-W) of idle time per rank where 1F1B leaves (P-1)(F+B+W)
-        formula, uniform = (P - 1) * (F + B - W) / (M * (F + B + W) + (P - 1) * (F + B - W)), formula
+        uniform = formula
+        formula = (P - 1) * (F + B - W) / (M * (F + B + W) + (P - 1) * (F + B - W))
         assert F != B or B != W or formula == uniform
     if M >= P or name in ("gpipe", "1f1b"):
         assert simulated == formula
@@ -92,7 +97,8 @@ def test_a_dropped_simulated_layer_is_freed_though_its_weight_and_input_keep_its
     import weakref
     import torch
     from mini_dist.pipeline_bubble import SimulatedCompute
-    layer, x = SimulatedCompute(0.0), torch.full((), 3.0, dtype=torch.float64, requires_grad=True)  # cpu: no ranks
+    layer = SimulatedCompute(0.0)
+    x = torch.full((), 3.0, dtype=torch.float64, requires_grad=True)  # cpu: no ranks
     layer(x).backward()
     freed = weakref.ref(layer)
     del layer

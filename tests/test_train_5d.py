@@ -26,7 +26,7 @@ from mini_dist import train_5d
 from mini_dist.kit import launch
 from mini_dist.mesh import Mesh, RankGrid
 from mini_dist.parallel_gpt import Config, padded_vocab
-from mini_dist.pipeline import HEADER_LEN
+from mini_dist.pipeline_messages import HEADER_LEN
 from mini_dist.pipeline_schedules import SCHEDULES
 from mini_dist.train_5d import configuration_error, predictions, train_dense
 

@@ -25,7 +25,8 @@ from mini_dist import ring_allreduce as ra
 from mini_dist import ring_pipelined as rp
 from mini_dist import sequence_layout as sl
 from mini_dist.kit import debug, launch, wire
-from mini_dist.pipeline import HEADER_LEN, pipeline_step
+from mini_dist.pipeline_executor import pipeline_step
+from mini_dist.pipeline_messages import HEADER_LEN
 from mini_dist.pipeline_schedules import SCHEDULES
 
 

@@ -7,7 +7,8 @@
     measure  bytes saved for backward, activations alive over a step, a step's peak
     timing   wall-clock time of a distributed call, slowest rank, with its noise
     models   the toy models and training steps that demos, tests and benchmarks share
-    references  a concept beside PyTorch or one process: attention vs SDPA, a pipeline step vs one process
+    references  a concept beside PyTorch or one process: attention vs SDPA, a pipeline step vs one process,
+                torch.distributed.pipelining's step
     ranks    long-lived pools of ranks that run one function everywhere (tests, ./run.sh ask)
     weakly   a tensor hook that holds its owner (a DDP reducer, an FSDP wrapper) weakly
 
