@@ -251,7 +251,7 @@ def demo(args) -> int:
                   f"max |parameter difference| {diff:.1e}")
     launch.print0(f"gradient matrices {', '.join(f'{b} x {a}' for a, b in layers)}: PowerSGD sends "
                   f"r(n + m) numbers for each instead of n m; biases go whole\n\n{'hook':<22}"
-                  f"{'bytes all-reduced per step, per rank':>38}{'  (formula)':<26}{'loss: start':>11}"
+                  f"{'bytes all-reduced per step, per rank':>38}{'  (formula)':<40}{'loss: start':>11}"
                   f"{f'step {args.steps // 2}':>10}{f'step {args.steps}':>10}")
     bytes_ok = True
     for name, (hook, _, want, formula) in runs.items():
@@ -260,7 +260,7 @@ def demo(args) -> int:
             formula = "N = 1: none"
         losses, _, sent = results[name]
         bytes_ok &= sent == want
-        launch.print0(f"{name:<22}{sent:>36,} B{f'  ({want:,} = {formula})':<26}{losses[0]:>11.2e}"
+        launch.print0(f"{name:<22}{sent:>36,} B{f'  ({want:,} = {formula})':<40}{losses[0]:>11.2e}"
                       f"{losses[max(args.steps // 2 - 1, 0)]:>10.2e}{losses[-1]:>10.2e}")
     r1 = min(args.ranks)
     with_feedback = results[f"PowerSGD r={r1} + EF"][0][-1]
