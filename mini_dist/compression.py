@@ -174,7 +174,7 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.Tensor:
     for M, q, p in zip(matrices, qs, ps):
         torch.bmm(M[None], q[None], out=p[None])                             # P = M Q
     flat = torch.cat([t.view(-1) for t in whole]) if whole else buffer.new_empty(0)
-    _all_reduce_(flat, group).div_(N)                                    # the rest, whole, in one buffer
+    _all_reduce_(flat, group).div_(N)                                        # the rest, whole, in one buffer
     for t, mean in zip(whole, flat.split([t.numel() for t in whole])):
         t.copy_(mean.view_as(t))
     _all_reduce_(state.p_memory_dict[k], group)

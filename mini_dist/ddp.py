@@ -22,6 +22,9 @@ A training loop is the one-process loop with the model wrapped, each rank readin
         optimizer.step()                     # the same step on every rank: the replicas stay equal
         optimizer.zero_grad()
 
+Accumulating K micro-batches per step: each loss / K, the first K-1 backwards inside `with model.no_sync():`
+(they only add into .grad), so the ranks communicate once per step (kit/models.py's accumulation_step).
+
     torchrun --standalone --nproc_per_node=4 mini_dist/ddp.py [--bucket-cap-mb 0.25] [--steps 4] ...
 """
 import contextlib

@@ -112,8 +112,8 @@ def teacher_steps(model, forward, steps: int, lr: float) -> list[float]:
     The kit's LEDGER is reset before each step, so it holds the last step's bytes. Returns the loss on 512
     test samples (the same on every rank) after each step."""
     d = model[0].in_features
-    teacher = (torch.randn(d, model[-1].out_features, generator=torch.Generator().manual_seed(0)) / d ** 0.5
-               ).to(launch.device())
+    g = torch.Generator().manual_seed(0)  # the teacher: the same on every rank
+    teacher = torch.randn(d, model[-1].out_features, generator=g).to(launch.device()) / d ** 0.5
     scales = torch.logspace(0, -1.5, d, device=launch.device())
     x_test = torch.randn(512, d, generator=torch.Generator().manual_seed(7)).to(launch.device()) * scales
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
