@@ -26,6 +26,7 @@ TOUR=(
   "comm 4"
   "kit/debug 2"
   "ddp 4"
+  "buckets 2"
   "reducer 2"
   "compression 4"
   "zero 4"

@@ -1,10 +1,10 @@
 """Gradient compression: send fewer bytes per step, and carry what was not sent into the next step.
 
-A DDP communication hook replaces the all-reduce of one bucket: hook(state, bucket) -> Future[Tensor],
-the bucket holding this rank's summed gradients (torch's GradBucket: index, buffer, gradients, is_last).
-The naive way casts: fp16 or bf16 halves the bytes and rounds every gradient. PowerSGD (Vogels,
-Karimireddy & Jaggi, NeurIPS 2019) sends a rank-r approximation of each gradient matrix M (n x m; a conv
-weight is n x the rest), found by one step of power iteration from last step's Q (warm start):
+A DDP communication hook replaces the all-reduce of one bucket: hook(state, bucket) -> Future[Tensor], the
+bucket holding this rank's summed gradients (mini_dist/buckets.py). The naive way casts: fp16 or bf16 halves
+the bytes and rounds every gradient. PowerSGD (Vogels, Karimireddy & Jaggi, NeurIPS 2019) sends a rank-r
+approximation of each gradient matrix M (n x m; a conv weight is n x the rest), found by one step of power
+iteration from last step's Q (warm start):
 
     P = M Q           all-reduce P (n r numbers), orthogonalize its columns (Gram-Schmidt; QR for r > 2)
     Q = M^T P         all-reduce Q (m r numbers), divide by N        ->   M ~ P Q^T
@@ -26,30 +26,26 @@ gradient never make it into the top r.
 Mirrors torch.distributed.algorithms.ddp_comm_hooks (fp16_compress_hook, bf16_compress_hook,
 PowerSGDState, powerSGD_hook): with the same state and seed, the same gradients bit for bit.
 """
+import functools
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
-if not __package__:  # run as `torchrun mini_dist/compression.py`: Python put mini_dist/ on the path, not the repo
+if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import comm
-from mini_dist.kit import launch
+from mini_dist.collectives import all_reduce
 from mini_dist.ddp import DistributedDataParallel
+from mini_dist.kit import launch, models
+from mini_dist.kit.wire import LEDGER
 from mini_dist.reducer import launch_on_comm_thread
 
 
-def _in_background(fn, bucket, group) -> torch.futures.Future[torch.Tensor]:
-    """Run fn() on DDP's communication thread (first in, first out), so backward goes on meanwhile."""
-    return launch_on_comm_thread(lambda buffer, group: fn(), bucket.buffer(), group)
-
-
 def _all_reduce_(x: torch.Tensor, group) -> torch.Tensor:
-    """In place, counted in comm.COUNTER (bytes handed to the all-reduce)."""
-    return x.copy_(comm.all_reduce(x, group))
+    """In place, counted in the kit's LEDGER (bytes handed to the all-reduce)."""
+    return x.copy_(all_reduce(x, group))
 
 
 # ----------------------------------------------------------------------------- naive: fewer bits
@@ -59,7 +55,7 @@ def cast_compress_hook(dtype, process_group, bucket) -> torch.futures.Future[tor
     def run():
         half = bucket.buffer().to(dtype).div_(dist.get_world_size(process_group))
         return bucket.buffer().copy_(_all_reduce_(half, process_group))
-    return _in_background(run, bucket, process_group)
+    return launch_on_comm_thread(run)  # on DDP's communication thread: backward goes on meanwhile
 
 
 def fp16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -86,13 +82,20 @@ class PowerSGDState:
         if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
             raise ValueError("start_powerSGD_iter must be > 1 with error feedback or warm start (as in torch): "
                              "run at least two plain steps first")
-        self.process_group, self.matrix_approximation_rank = process_group, matrix_approximation_rank
-        self.start_powerSGD_iter, self.min_compression_rate = start_powerSGD_iter, min_compression_rate
-        self.use_error_feedback, self.warm_start = use_error_feedback, warm_start
+        self.process_group = process_group
+        self.matrix_approximation_rank = matrix_approximation_rank
+        self.start_powerSGD_iter = start_powerSGD_iter
+        self.min_compression_rate = min_compression_rate
+        self.use_error_feedback = use_error_feedback
+        self.warm_start = warm_start
         self.orthogonalization_epsilon = orthogonalization_epsilon
         self.rng = np.random.RandomState(random_seed)  # the same draws on every rank: the same Qs
-        self.error_dict, self.p_memory_dict, self.q_memory_dict = {}, {}, {}
-        self.iter = self.total_numel_before_compression = self.total_numel_after_compression = 0
+        self.error_dict = {}     # per bucket index: e, what was not sent
+        self.p_memory_dict = {}  # per bucket index: every matrix's P, side by side in one flat buffer
+        self.q_memory_dict = {}  # and every Q: last step's is the warm start
+        self.iter = 0
+        self.total_numel_before_compression = 0
+        self.total_numel_after_compression = 0
 
     def maybe_increase_iter(self, bucket) -> None:
         if bucket.is_last():
@@ -118,11 +121,14 @@ def should_compress(n: int, m: int, r: int, min_compression_rate: float) -> bool
 
 def powerSGD_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Tensor]:
     """torch's signature: register with ddp.register_comm_hook(state, powerSGD_hook)."""
-    return _in_background(lambda: _powersgd(state, bucket), bucket, state.process_group)
+    return launch_on_comm_thread(functools.partial(_powersgd, state, bucket))  # backward goes on meanwhile
 
 
 def _powersgd(state: PowerSGDState, bucket) -> torch.Tensor:
-    group, k, buffer = state.process_group, bucket.index(), bucket.buffer()
+    """One bucket: g + e; P = M Q, all-reduce P, orthogonalize; Q = M^T P, all-reduce Q; M ~ P Q^T; e."""
+    group = state.process_group
+    k = bucket.index()
+    buffer = bucket.buffer()
     N = dist.get_world_size(group)
     if state.iter < state.start_powerSGD_iter:  # warm-up: the plain average
         state.maybe_increase_iter(bucket)
@@ -133,25 +139,31 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.Tensor:
         else:
             state.error_dict[k] = torch.zeros_like(buffer)
         before = buffer.clone()
-    matrices, whole = [], []
+    matrices = []  # compressed: P and Q go instead
+    whole = []     # all-reduced as they are
     for g in bucket.gradients():
         M = g.view(g.shape[0], -1)                                         # [n, m]
         r = min(*M.shape, state.matrix_approximation_rank)
-        compress = should_compress(*M.shape, r, state.min_compression_rate)
         state.total_numel_before_compression += M.numel()
-        state.total_numel_after_compression += r * sum(M.shape) if compress else M.numel()
-        (matrices if compress else whole).append(M if compress else g)
+        if should_compress(*M.shape, r, state.min_compression_rate):
+            matrices.append(M)
+            state.total_numel_after_compression += r * sum(M.shape)
+        else:
+            whole.append(g)
+            state.total_numel_after_compression += M.numel()
     shapes = list(dict.fromkeys(M.shape for M in matrices))
     matrices.sort(key=lambda M: shapes.index(M.shape))  # torch's order (grouped by shape): the same Qs
     ranks = [min(*M.shape, state.matrix_approximation_rank) for M in matrices]
+    p_sizes = [M.shape[0] * r for M, r in zip(matrices, ranks)]
+    q_sizes = [M.shape[1] * r for M, r in zip(matrices, ranks)]
     fresh = not state.warm_start or k not in state.p_memory_dict
     if fresh:
-        state.p_memory_dict[k] = buffer.new_empty(sum(M.shape[0] * r for M, r in zip(matrices, ranks)))
-        state.q_memory_dict[k] = buffer.new_empty(sum(M.shape[1] * r for M, r in zip(matrices, ranks)))
-    ps = [p.view(M.shape[0], r) for p, M, r in zip(state.p_memory_dict[k].split(
-        [M.shape[0] * r for M, r in zip(matrices, ranks)]), matrices, ranks)]   # [n, r] each
-    qs = [q.view(M.shape[1], r) for q, M, r in zip(state.q_memory_dict[k].split(
-        [M.shape[1] * r for M, r in zip(matrices, ranks)]), matrices, ranks)]   # [m, r] each
+        state.p_memory_dict[k] = buffer.new_empty(sum(p_sizes))
+        state.q_memory_dict[k] = buffer.new_empty(sum(q_sizes))
+    p_parts = state.p_memory_dict[k].split(p_sizes)
+    q_parts = state.q_memory_dict[k].split(q_sizes)
+    ps = [p.view(M.shape[0], r) for p, M, r in zip(p_parts, matrices, ranks)]  # [n, r] each
+    qs = [q.view(M.shape[1], r) for q, M, r in zip(q_parts, matrices, ranks)]  # [m, r] each
     if fresh:  # a random start, the same on every rank (one seed per step from the shared rng)
         g = torch.Generator().manual_seed(int(state.rng.randint(1_000_000_000)))
         for q in qs:
@@ -161,7 +173,8 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.Tensor:
     # each product as torch's hook computes it, a batch of one (bmm): a 2-D matmul may sum in another order
     for M, q, p in zip(matrices, qs, ps):
         torch.bmm(M[None], q[None], out=p[None])                             # P = M Q
-    flat = _all_reduce_(torch.cat([t.view(-1) for t in whole]) if whole else buffer.new_empty(0), group).div_(N)
+    flat = torch.cat([t.view(-1) for t in whole]) if whole else buffer.new_empty(0)
+    _all_reduce_(flat, group).div_(N)                                        # the rest, whole, in one buffer
     for t, mean in zip(whole, flat.split([t.numel() for t in whole])):
         t.copy_(mean.view_as(t))
     _all_reduce_(state.p_memory_dict[k], group)
@@ -182,55 +195,22 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- demo
 
-def torch_hooks():
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as native
-    return {fp16_compress_hook: (default_hooks.fp16_compress_hook, None),
-            powerSGD_hook: (native.powerSGD_hook, native.PowerSGDState)}
 
-
-def train(widths, hook, state_args, steps: int, lr: float, native: bool = False):
-    """SGD with momentum on a teacher's linear map, every rank its own batches, mini DDP with the hook (or
-    torch's own). Returns the losses on a fixed test set, the parameters, and the bytes of one step."""
-    torch.manual_seed(0)
-    d = widths[0]
-    teacher, scales = torch.randn(d, widths[-1]) / d ** 0.5, torch.logspace(0, -1.5, d)  # cpu: moved where used
-    model = nn.Sequential(*(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))).to(launch.device())
+def train(widths, hook, state_args, steps: int, lr: float, native: bool = False) -> tuple:
+    """Mini DDP over models.linears(widths) with our hook (torch's with native=True; None: DDP's all-reduce),
+    trained by models.teacher_steps: the test losses, the final parameters, the bytes of the last step."""
+    model = models.linears(widths)
     ddp = DistributedDataParallel(model)
+    make_state = PowerSGDState
+    if native:  # torch's own hook and state class: the reference
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as torchs
+        make_state = torchs.PowerSGDState
+        hook = default_hooks.fp16_compress_hook if hook is fp16_compress_hook else torchs.powerSGD_hook
     if hook is not None:
-        fn, make_state = torch_hooks()[hook] if native else (hook, PowerSGDState)
-        ddp.register_comm_hook(make_state(None, **state_args) if state_args is not None else None, fn)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
-    g = torch.Generator().manual_seed(100 + dist.get_rank())
-    x_test = (torch.randn(512, d, generator=torch.Generator().manual_seed(7)) * scales).to(launch.device())
-    losses, sent = [], 0
-    for _ in range(steps):
-        x = (torch.randn(16, d, generator=g) * scales).to(launch.device())
-        comm.COUNTER.reset()
-        nn.functional.mse_loss(ddp(x), x @ teacher.to(x.device)).backward()
-        sent = sum(comm.COUNTER.bytes.values()) if hook else ddp.timeline.bytes
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            losses.append(nn.functional.mse_loss(model(x_test), x_test @ teacher.to(x_test.device)).item())
+        ddp.register_comm_hook(make_state(None, **state_args) if state_args is not None else None, hook)
+    losses = models.teacher_steps(model, ddp, steps, lr)
+    sent = sum(LEDGER.bytes.values()) if hook else ddp.timeline.bytes  # a hook's all-reduces, or DDP's
     return losses, [p.detach().clone() for p in model.parameters()], sent
-
-
-def powersgd_with_and_without_error_feedback(widths=(32, 32, 32), steps: int = 20) -> tuple[str, bool]:
-    """Bytes all-reduced per step, plain and PowerSGD r = 1, and the test loss after `steps` steps with and
-    without error feedback. Collective: every rank of the default group calls it."""
-    runs = {"plain": (None, None)} | {f"PowerSGD r=1{ef}": (powerSGD_hook, dict(
-        matrix_approximation_rank=1, start_powerSGD_iter=2, use_error_feedback=ef == " + EF")) for ef in (" + EF", "")}
-    seen = {name: train(list(widths), hook, state, steps, 0.1) for name, (hook, state) in runs.items()}
-    n = dist.get_world_size()
-    D = 4 * sum(a * b + b for a, b in zip(widths, widths[1:]))
-    low = 4 * sum(a + b + b for a, b in zip(widths, widths[1:]))  # r(n + m) + the bias, r = 1
-    sent, loss = {k: s[2] for k, s in seen.items()}, {k: s[0][-1] for k, s in seen.items()}
-    return (f"linear layers of widths {list(widths)} on {n} ranks: bytes all-reduced per step plain "
-            f"{sent['plain']:,}, PowerSGD r=1 {sent['PowerSGD r=1']:,} = 4(r(n+m) + bias) per layer "
-            f"({D / low:.1f}x fewer{'; one rank sends nothing' if n == 1 else ''}); test loss after {steps} steps: "
-            + ", ".join(f"{k} {v:.2e}" for k, v in loss.items())), \
-        sent["plain"] == D and sent["PowerSGD r=1"] == sent["PowerSGD r=1 + EF"] == (low if n > 1 else 0) and \
-        loss["PowerSGD r=1 + EF"] < loss["PowerSGD r=1"]
 
 
 def parser():
@@ -254,39 +234,40 @@ def demo(args) -> int:
                    f"--ranks {max(args.ranks)}: r(n + m) * 2 >= n m for a layer of widths {w}, so PowerSGD would "
                    f"send it whole; choose a smaller r or wider layers")
     env = launch.setup()
-    runs = {"none": (None, None), "fp16": (fp16_compress_hook, None)}
-    runs.update({f"PowerSGD r={r}{ef}": (powerSGD_hook, dict(matrix_approximation_rank=r, start_powerSGD_iter=
-                 args.start_iter, use_error_feedback=ef == " + EF"))
-                 for r in args.ranks for ef in (" + EF", ", no EF")})
-    results = {name: train(w, hook, state, args.steps, args.lr) for name, (hook, state) in runs.items()}
-    diff = max((a - b).abs().max().item() for name, (hook, state) in runs.items() if hook
-               for a, b in zip(results[name][1], train(w, hook, state, args.steps, args.lr, native=True)[1]))
+    layers = list(zip(w, w[1:]))  # (in, out) of each Linear: its weight's gradient is an out x in matrix
+    D = 4 * sum(a * b + b for a, b in layers)
+    runs = {"none": (None, None, D, "D"), "fp16": (fp16_compress_hook, None, D // 2, "D/2")}  # hook, state, bytes
+    for r in args.ranks:
+        low = 4 * sum(r * (a + b) + b for a, b in layers)
+        for feedback in (True, False):
+            name = f"PowerSGD r={r}{' + EF' if feedback else ', no EF'}"
+            state = dict(matrix_approximation_rank=r, start_powerSGD_iter=args.start_iter, use_error_feedback=feedback)
+            runs[name] = (powerSGD_hook, state, low, "4 (sum r(n+m) + biases)")
+    results = {name: train(w, hook, state, args.steps, args.lr) for name, (hook, state, _, _) in runs.items()}
+    theirs = {name: train(w, hook, state, args.steps, args.lr, native=True)[1]  # torch's hooks: the reference
+              for name, (hook, state, _, _) in runs.items() if hook}
+    diff = max((a - b).abs().max().item() for name in theirs for a, b in zip(results[name][1], theirs[name]))
     launch.print0(f"{env.world_size} ranks, mini DDP with each hook vs torch's own hook, {args.steps} steps: "
                   f"max |parameter difference| {diff:.1e}")
-    D = sum(a * b + b for a, b in zip(w, w[1:])) * 4
-    launch.print0(f"gradient matrices {', '.join(f'{b} x {a}' for a, b in zip(w, w[1:]))}: PowerSGD sends "
+    launch.print0(f"gradient matrices {', '.join(f'{b} x {a}' for a, b in layers)}: PowerSGD sends "
                   f"r(n + m) numbers for each instead of n m; biases go whole\n\n{'hook':<22}"
-                  f"{'bytes all-reduced per step, per rank':>38}{'  (formula)':<26}{'loss: start':>11}"
+                  f"{'bytes all-reduced per step, per rank':>38}{'  (formula)':<40}{'loss: start':>11}"
                   f"{f'step {args.steps // 2}':>10}{f'step {args.steps}':>10}")
     bytes_ok = True
-    for name, (hook, state) in runs.items():
-        r = state["matrix_approximation_rank"] if state else 0
-        formula = {"none": (D, "D"), "fp16": (D // 2, "D/2")}.get(
-            name, (4 * sum(r * (a + b) + b for a, b in zip(w, w[1:])), "4 (sum r(n+m) + biases)"))
+    for name, (hook, _, want, formula) in runs.items():
         if hook and env.world_size == 1:  # a hook's all-reduce on one rank sends nothing (DDP's own counts D)
-            formula = (0, "N = 1: none")
+            want = 0
+            formula = "N = 1: none"
         losses, _, sent = results[name]
-        bytes_ok &= sent == formula[0]
-        launch.print0(f"{name:<22}{sent:>36,} B{f'  ({formula[0]:,} = {formula[1]})':<26}{losses[0]:>11.2e}"
+        bytes_ok &= sent == want
+        launch.print0(f"{name:<22}{sent:>36,} B{f'  ({want:,} = {formula})':<40}{losses[0]:>11.2e}"
                       f"{losses[max(args.steps // 2 - 1, 0)]:>10.2e}{losses[-1]:>10.2e}")
-    figure, holds = powersgd_with_and_without_error_feedback()
-    launch.print0(f"\npowersgd_with_and_without_error_feedback: {figure}")
     r1 = min(args.ranks)
-    feedback_helps = holds and results[f"PowerSGD r={r1} + EF"][0][-1] < results[f"PowerSGD r={r1}, no EF"][0][-1]
+    with_feedback = results[f"PowerSGD r={r1} + EF"][0][-1]
+    without = results[f"PowerSGD r={r1}, no EF"][0][-1]
     return launch.conclude("compression", diff == 0.0, f"hooks = torch's bit for bit ({diff:.0e})",
-                           bytes_ok and feedback_helps, f"bytes = r(n+m) formulas; r={r1} loss with error "
-                           f"feedback {results[f'PowerSGD r={r1} + EF'][0][-1]:.2e} vs without "
-                           f"{results[f'PowerSGD r={r1}, no EF'][0][-1]:.2e}")
+                           bytes_ok and with_feedback < without, f"bytes = r(n+m) formulas; r={r1} loss with "
+                           f"error feedback {with_feedback:.2e} vs without {without:.2e}")
 
 
 if __name__ == "__main__":

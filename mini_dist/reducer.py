@@ -1,73 +1,35 @@
-"""Gradient bucketing, the engine inside DDP: gradients go into a few flat buckets, and each bucket's
-all-reduce starts the moment its last gradient lands, while backward goes on computing earlier layers.
+"""The reducer, the engine inside DDP: each bucket's all-reduce starts the moment its last gradient lands,
+while backward goes on computing earlier layers; when backward ends, wait, and write the means into .grad.
 
-    buckets   walk the parameters from last to first; close a bucket once it holds >= bucket_cap bytes
+    ready     a gradient lands (autograd's post-accumulate-grad hook): copy it / N into its bucket's view
     launch    bucket k goes out once its gradients have all arrived and buckets 0..k-1 have gone out
+    done      autograd's end-of-backward callback: wait for every bucket, copy the means into .grad
     hidden    |time an all-reduce was in flight before backward ended|  /  |time one was in flight|
 
-Why buckets: an all-reduce costs a latency plus a time per byte; one per gradient pays the latency per
-parameter, one for the whole model cannot start before backward ends. Why reverse order: backward
-produces the gradients roughly last layer first. Why strictly in bucket order: every rank must issue the
-same collectives in the same order, even when its gradients arrive in another. A blocking all-reduce
+The buckets (mini_dist/buckets.py) hold the parameters last layer first, so bucket 0 fills first and
+goes out while backward computes the layers below it. Why strictly in bucket order: every rank must issue
+the same collectives in the same order, even when its gradients arrive in another. A blocking all-reduce
 (ring_all_reduce) runs on a background thread; a communication hook replaces each bucket's all-reduce.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/reducer.py [--bucket-cap-mb 0 0.25 1]
 
-Used by mini_dist/ddp.py. Mirrors torch's Reducer (torch/csrc/distributed/c10d/reducer.cpp) and
-torch.distributed._compute_bucket_assignment_by_size (Li et al., PyTorch Distributed, VLDB 2020, Sec. 3.2).
+Used by mini_dist/ddp.py. Mirrors torch's Reducer (torch/csrc/distributed/c10d/reducer.cpp; Li et al.,
+PyTorch Distributed, VLDB 2020, Sec. 3.2).
 """
+import functools
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-if not __package__:  # run as `torchrun mini_dist/reducer.py`: Python put mini_dist/ on the path, not the repo
+if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mini_dist.buckets import Bucket, Timeline, build_buckets
 from mini_dist.kit import launch, models, weakly
 from mini_dist.ring_pipelined import ring_all_reduce
-
-
-@dataclass(eq=False)
-class Bucket:
-    """Neighbouring gradients side by side in one flat buffer: one all-reduce instead of many small ones.
-    A communication hook receives it with torch's GradBucket methods: index, buffer, gradients, ..."""
-    k: int
-    params: list
-    flat: torch.Tensor
-    views: list            # views[i] is params[i]'s gradient as a slice of flat, shaped like it
-    last: bool = False     # the last bucket to be launched in a backward
-    pending: int = 0       # gradients still to arrive in this backward
-    future: object = None  # the all-reduce in flight: its tensor is the reduced bucket
-    done: object = None    # completes once the finish time is recorded (even if the all-reduce failed)
-
-    def index(self) -> int: return self.k
-    def buffer(self) -> torch.Tensor: return self.flat
-    def gradients(self) -> list: return self.views
-    def parameters(self) -> list: return self.params
-    def is_last(self) -> bool: return self.last
-
-
-def build_buckets(params: list, cap_bytes: float, first_cap_bytes: float | None = None) -> list[Bucket]:
-    """Walk the parameters backwards; close a bucket once it holds >= its cap (native's rule; the first
-    bucket may have a cap of its own), or when the dtype changes (one buffer has one dtype)."""
-    groups, size = [], float("inf")
-    for p in reversed(params):
-        cap = first_cap_bytes if len(groups) == 1 and first_cap_bytes is not None else cap_bytes
-        if size >= cap or p.dtype != groups[-1][-1].dtype:
-            groups.append([])
-            size = 0
-        groups[-1].append(p)
-        size += p.numel() * p.element_size()
-    buckets = []
-    for k, ps in enumerate(groups):
-        flat = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
-        views = [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in ps]), ps)]
-        buckets.append(Bucket(k, ps, flat, views, last=k == len(groups) - 1))
-    return buckets
 
 
 class Reducer:
@@ -77,14 +39,22 @@ class Reducer:
 
     def __init__(self, params: list, names: dict, buckets: list[Bucket], group=None, all_reduce=dist.all_reduce,
                  gradient_as_bucket_view: bool = False, find_unused_parameters: bool = False):
-        self.params, self.names, self.buckets, self.group = params, names, buckets, group
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank()
-        self.all_reduce, self.hook, self.hook_state = all_reduce, None, None
-        self.gradient_as_bucket_view, self.find_unused_parameters = gradient_as_bucket_view, find_unused_parameters
-        self.slot = {p: (b, i) for b in buckets for i, p in enumerate(b.params)}
+        self.params = params
+        self.names = names
+        self.buckets = buckets
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank()
+        self.all_reduce = all_reduce
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.find_unused_parameters = find_unused_parameters
+        self.hook = None  # register_comm_hook's hook(state, bucket), and its state
+        self.hook_state = None
+        self.slot = {p: (b, i) for b in buckets for i, p in enumerate(b.params)}  # p's bucket, p's place in it
         self.require_grad_sync = True  # DDP's no_sync() turns it off
         self.used = set()  # parameters that got a gradient since the last sync (native's local_used_map)
         self.arrived = None  # parameters whose gradient arrived in the current synced backward
+        self.next_bucket = 0  # the next bucket to launch: they go out in order
         self.timeline = Timeline()  # of the last synced backward
         for p in params:
             p.register_post_accumulate_grad_hook(weakly(self._gradient_arrived))
@@ -92,7 +62,8 @@ class Reducer:
     def register_comm_hook(self, state, hook) -> None:
         if self.hook is not None:
             raise RuntimeError("register_comm_hook can only be called once (as in torch's DDP)")
-        self.hook, self.hook_state = hook, state
+        self.hook = hook
+        self.hook_state = state
 
     def _gradient_arrived(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: p.grad is final for this backward; copy it into its bucket."""
@@ -100,7 +71,8 @@ class Reducer:
         if not self.require_grad_sync:
             return
         if self.arrived is None:  # the first gradient of this backward
-            self.arrived, self.next_bucket = set(), 0
+            self.arrived = set()
+            self.next_bucket = 0
             self.timeline = Timeline(time.perf_counter(), ready=[0.0] * len(self.buckets))
             for b in self.buckets:
                 b.pending = len(b.params)
@@ -130,6 +102,10 @@ class Reducer:
     def _launch(self, bucket: Bucket) -> None:
         """Start the bucket's all-reduce (or the communication hook) without waiting for it."""
         finish = self.timeline.finish
+
+        def finished(_) -> None:
+            """Once the all-reduce is done (or failed): when, for the timeline."""
+            finish[bucket.k] = time.perf_counter()
         self.timeline.start.append(time.perf_counter())
         finish.append(None)
         self.timeline.bytes += bucket.flat.nbytes
@@ -139,20 +115,16 @@ class Reducer:
             elif self.all_reduce is dist.all_reduce:
                 bucket.future = dist.all_reduce(bucket.flat, group=self.group, async_op=True).get_future()
             else:
-                bucket.future = launch_on_comm_thread(self.all_reduce, bucket.flat, self.group)
+                bucket.future = launch_on_comm_thread(functools.partial(self.all_reduce, bucket.flat, group=self.group))
         except Exception as e:
             raise self._failed(bucket, e) from e
-        bucket.done = bucket.future.then(lambda _, k=bucket.k: finish.__setitem__(k, time.perf_counter()))
-
-    def _failed(self, bucket: Bucket, error: Exception) -> RuntimeError:
-        return RuntimeError(f"DistributedDataParallel on rank {self.rank}: the all-reduce of bucket {bucket.k} "
-                            f"({', '.join(self.names[p] for p in bucket.params)}) failed: "
-                            f"{type(error).__name__}: {error}")
+        bucket.done = bucket.future.then(finished)
 
     def _backward_done(self) -> None:
         """Autograd callback at the end of backward: flush, wait, write the averages into .grad."""
         self.timeline.backward_end = time.perf_counter()
-        missing, self.arrived = [p for p in self.params if p not in self.arrived], None
+        missing = [p for p in self.params if p not in self.arrived]
+        self.arrived = None
         for p in missing:  # no gradient in this backward: its no_sync sum, or zeros, keeps ranks in step
             self._fill(p)
         for b in self.buckets:
@@ -164,7 +136,8 @@ class Reducer:
             reduced = reduced[0] if isinstance(reduced, list) else reduced  # a Work's future gives a list
             if reduced.data_ptr() != b.flat.data_ptr():  # a hook may return a new tensor
                 b.flat.copy_(reduced)
-        used, self.used = [p in self.used for p in self.params], set()
+        used = [p in self.used for p in self.params]
+        self.used = set()
         if self.find_unused_parameters:  # used on any rank: the ranks that did not use it added zeros
             anywhere = torch.tensor(used, dtype=torch.int32, device=self.params[0].device)
             dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=self.group)
@@ -185,61 +158,32 @@ class Reducer:
             else:
                 p.grad.copy_(bucket.views[i])
 
+    def _failed(self, bucket: Bucket, error: Exception) -> RuntimeError:
+        return RuntimeError(f"DistributedDataParallel on rank {self.rank}: the all-reduce of bucket {bucket.k} "
+                            f"({', '.join(self.names[p] for p in bucket.params)}) failed: "
+                            f"{type(error).__name__}: {error}")
+
 
 _comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mini_dist-ddp-comm")
 
 
-def launch_on_comm_thread(all_reduce, tensor: torch.Tensor, group) -> torch.futures.Future:
-    """A blocking all-reduce (ring_all_reduce) made asynchronous on one background thread, first in first
-    out: buckets go out in launch order on every rank (several threads could interleave two buckets)."""
+def launch_on_comm_thread(work) -> torch.futures.Future:
+    """work(), a blocking all-reduce (ring_all_reduce) or a compression hook's, made asynchronous on one
+    background thread, first in first out: buckets go out in launch order on every rank (several threads
+    could interleave two buckets). The future holds what work() returns, or what it raised."""
     future = torch.futures.Future()
 
-    def work():
+    def run():
         try:
-            future.set_result(all_reduce(tensor, group=group))
+            future.set_result(work())
         except Exception as e:  # hand the failure to whoever waits on the bucket
             future.set_exception(e)
-    _comm_thread.submit(work)
+    _comm_thread.submit(run)
     return future
 
 
-@dataclass
-class Timeline:
-    """One synced backward as the buckets saw it (time.perf_counter seconds) and the bytes it reduced."""
-    backward_start: float = 0.0                 # the first gradient arrived
-    ready: list = field(default_factory=list)   # ready[k]: bucket k's last gradient arrived
-    start: list = field(default_factory=list)   # start[k]: its all-reduce was launched
-    finish: list = field(default_factory=list)  # finish[k]: its all-reduce completed
-    backward_end: float = 0.0                   # autograd finished computing gradients
-    bytes: int = 0                              # bytes handed to the all-reduce (D when all sync)
-
-    def overlap(self) -> float:
-        """Fraction of the time an all-reduce was in flight that passed before backward ended (hidden)."""
-        total, hidden, reach = 0.0, 0.0, float("-inf")
-        for s, f in sorted(zip(self.start, self.finish)):
-            s = max(s, reach)  # time covered by several all-reduces counts once
-            if f > s:
-                total += f - s
-                hidden += max(0.0, min(f, self.backward_end) - s)
-                reach = f
-        return hidden / total if total else 1.0
-
-    def exposed(self) -> float:
-        """Seconds of all-reduce left after backward ended: what the optimizer step waits for."""
-        return max(self.finish + [self.backward_end]) - self.backward_end
-
-    def picture(self, width: int = 56) -> str:
-        """Backward as a bar of =, each bucket's all-reduce in flight as #: what lies under the = is hidden."""
-        t0, t1 = self.backward_start, max(self.finish + [self.backward_end])
-        col = lambda t: round((t - t0) / (t1 - t0) * (width - 1)) if t1 > t0 else 0
-        bar = lambda a, b, c: "[" + f"{' ' * col(a)}{c * max(1, col(b) - col(a))}".ljust(width) + "]"
-        rows = [f"{'':11}0 ms{(t1 - t0) * 1e3:{width - 3}.1f} ms",
-                f"{'backward':11}{bar(t0, self.backward_end, '=')}"]
-        rows += [f"bucket {k:<4}{bar(s, f, '#')}" for k, (s, f) in enumerate(zip(self.start, self.finish))]
-        return "\n".join(rows)
-
-
 # ----------------------------------------------------------------------------- demo
+
 
 def buckets_hide_communication(cap_mb: float = 0.25, widths=(64, 256, 256, 256, 16), batch: int = 256,
                                ring: bool = False, picture: bool = False) -> tuple[str, bool]:
@@ -284,7 +228,8 @@ def parser():
 
 
 def demo(args) -> int:
-    w, every = args.widths, True
+    w = args.widths
+    every = True
     launch.require(len(w) >= 2 and min(w) >= 1 and min(args.bucket_cap_mb) >= 0 and args.batch >= 1,
                    "--widths needs two or more sizes >= 1, --bucket-cap-mb caps >= 0, --batch >= 1")
     launch.setup()

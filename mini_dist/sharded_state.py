@@ -39,6 +39,7 @@ def per_element(value) -> bool:
 
 
 def _clone(value):
+    """A tensor's own copy (a state dict must not share storage with the live optimizer); a number as it is."""
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
@@ -70,13 +71,19 @@ def consolidated_state_dict(zero, to: int | None = None):
         full["master_param"] = consolidate(zero, zero.master, to)
     if to is not None and zero.rank != to:
         return None
-    state, groups, i = {}, [], 0
+    state = {}
+    groups = []
+    i = 0  # parameters numbered across groups
     for group, st in zip(zero.param_groups, shards):
         for p in group["params"]:
             if p.requires_grad and (st or zero.has_master):
                 a, b = zero.span[p]
-                state[i] = {k: full[k][a:b].view_as(p).clone() if k in full else _clone(v)
-                            for k, v in [*st.items(), ("master_param", None)] if k in st or k in full}
+                entry = {}
+                for k, v in st.items():  # per-element state: this parameter's span of the whole vector
+                    entry[k] = full[k][a:b].view_as(p).clone() if k in full else _clone(v)
+                if "master_param" in full:
+                    entry["master_param"] = full["master_param"][a:b].view_as(p).clone()
+                state[i] = entry
             i += 1
         groups.append({**settings(group), "params": list(range(i - len(group["params"]), i))})
     return {"state": state, "param_groups": groups}
@@ -154,6 +161,7 @@ def load_shard_state_dict(zero, shard: dict) -> None:
 
 
 def saved_bytes(obj) -> int:
+    """The bytes torch.save writes for obj."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.tell()
@@ -170,14 +178,17 @@ def parser():
 def demo(args) -> int:
     launch.require(args.steps >= 1 and len(args.widths) >= 2 and min(args.widths) >= 1,
                    "--steps must be >= 1 and --widths two or more numbers >= 1")
-    k, w = launch.setup().world_size, args.widths
+    k = launch.setup().world_size
+    w = args.widths
 
-    def zero(stage):  # the same model on every rank; each rank steps its own batches
+    def zero(stage):
+        """The same model on every rank, and a ZeroOptimizer of that stage over it (each rank its own batches)."""
         model = models.mlp(w, torch.float32).to(launch.device())
         return model, ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage=stage, lr=1e-2)
     first, zero1 = zero(args.stage)
     models.random_batch_steps(first, first, zero1, args.steps)
-    whole, shard = consolidated_state_dict(zero1, to=0), shard_state_dict(zero1)
+    whole = consolidated_state_dict(zero1, to=0)
+    shard = shard_state_dict(zero1)
     sizes = torch.tensor([saved_bytes(shard), saved_bytes(whole) if whole else 0], device=launch.device())
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX)  # the largest shard; the consolidated dict (rank 0's)
     resumed, zero2 = zero(1 if args.stage != 1 else 2)  # another stage, same K
@@ -189,7 +200,8 @@ def demo(args) -> int:
     plain = torch.optim.Adam(first.parameters(), lr=1e-2)
     if whole is not None:
         plain.load_state_dict(whole)  # a plain optimizer takes the consolidated dict as it is
-    n, S = zero1.partition.numel, zero1.partition.shard_size
+    n = zero1.partition.numel
+    S = zero1.partition.shard_size
     b = 4 * sum(per_element(v) for v in zero1.optimizer.state[zero1.slices[0]].values())  # bytes per element
     launch.print0(f"ZeRO-{args.stage} Adam, K = {k}, N = {n:,}, S = {S:,}, {b} B of per-element state per element\n"
                   f"saved bytes: consolidated {sizes[1].item():,} B (b*N = {b * n:,} + the format), the largest "
@@ -200,6 +212,7 @@ def demo(args) -> int:
     return launch.conclude("sharded_state", same, "resumed at another stage = never stopped, bit for bit",
                            sizes[0] <= sizes[1] // k + 4096, f"shard {sizes[0].item():,} B vs consolidated "
                            f"{sizes[1].item():,} B (K = {k})")
+
 
 if __name__ == "__main__":
     raise SystemExit(launch.main(parser(), demo))

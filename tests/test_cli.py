@@ -24,6 +24,7 @@ DEMOS = sorted([f[:-3] for f in os.listdir(os.path.join(ROOT, "mini_dist"))
 BAD = {
     "activation_checkpoint": (1, ["--layers", "4", "--segments", "5"], "--segments"),
     "alpha_beta": (4, ["--ranks-per-node", "3"], "ranks-per-node"),
+    "buckets": (2, ["--batch", "0"], "--batch"),
     "checkpoint": (2, ["--rows", "0"], "--rows"),
     "collectives": (2, ["--rows", "0"], "--rows"),
     "comm": (2, ["--seq", "0"], "--seq"),

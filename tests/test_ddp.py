@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as NativeDDP
 
 from harness import RankFailure, device, rank_generator, run, subgroup
 from mini_dist import ddp
+from mini_dist.buckets import Timeline
 from mini_dist.kit import models
 from mini_dist.kit.wire import LEDGER
 from mini_dist.ring_pipelined import ring_all_reduce
@@ -36,11 +37,17 @@ class Net(nn.Module):
 
     def __init__(self, widths, bias=True, frozen=False, tied=False, unused=False, used_by=None):
         super().__init__()
-        linear = lambda a, b: nn.Linear(a, b, bias=bias, dtype=F64, device=device())
+
+        def linear(a, b):
+            """A layer of the net, fp64, on the rank's device."""
+            return nn.Linear(a, b, bias=bias, dtype=F64, device=device())
         self.layers = nn.ModuleList(linear(a, b) for a, b in zip(widths, widths[1:]))
-        w, self.tied, self.used_by = widths[-1], tied, used_by
+        w = widths[-1]
+        self.tied = tied
+        self.used_by = used_by
         if tied:
-            self.tied_in, self.tied_out = linear(w, w), linear(w, w)
+            self.tied_in = linear(w, w)
+            self.tied_out = linear(w, w)
             self.tied_out.weight = self.tied_in.weight
         if unused:
             self.unused = linear(w, 2)
@@ -160,7 +167,7 @@ def bytes_per_micro_step(accumulation, seed):
     sent, launched, grads = [], [], []
     for k, (x, y) in enumerate(draw_batches(rank_generator(seed), [5, 7, 3], 2, accumulation)):
         LEDGER.reset()
-        mini.reducer.timeline = ddp.Timeline()
+        mini.reducer.timeline = Timeline()
         with mini.no_sync() if k < accumulation - 1 else contextlib.nullcontext():
             nn.functional.mse_loss(mini(x), y).backward()
         sent.append(LEDGER.sent)

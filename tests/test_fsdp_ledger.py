@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from harness import device, run
 from mini_dist import fsdp_ledger
 from mini_dist.kit import models
+from mini_dist.questions import sharding
 
 KINDS = {"naive": dict(prefetch=False), "prefetch": {}, "kept": dict(reshard_after_forward=False)}
 
@@ -43,7 +44,7 @@ def test_a_model_kept_whole_holds_16_bytes_per_parameter_and_nothing_gathered():
 
 
 def questions_worker():
-    return fsdp_ledger.gathers_twice(), fsdp_ledger.traffic_vs_ddp()
+    return sharding.gathers_twice(), sharding.traffic_vs_ddp()
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import BACKEND, device, run
-from mini_dist import zero_ledger
+from mini_dist.kit.wire import LEDGER
+from mini_dist.questions import sharding
 from mini_dist.zero_optimizer import ZeroOptimizer
 from mini_dist.zero_ledger import bytes_sent_formula, memory_formula, memory_ledger
 from test_zero import OPTIMIZERS, Toy, hyperparameters, shapes, train
@@ -21,8 +22,8 @@ def state_buffers(opt) -> int:
 
 
 def ledger_worker(shapes, stage, opt_name, hp, half):
-    from mini_dist.ring_allreduce import LEDGER
-    cls, dtype = OPTIMIZERS[opt_name], torch.bfloat16 if half else torch.float32
+    cls = OPTIMIZERS[opt_name]
+    dtype = torch.bfloat16 if half else torch.float32
     model = Toy(shapes, dtype)
     zero = ZeroOptimizer(model.named_parameters(), cls, stage=stage, collectives="ring", **hp)
     train(model, zero, [0])
@@ -80,7 +81,7 @@ def test_memory_ledger_of_params_grads_and_state_equals_the_stage_formula_exactl
 
 
 def stages_worker():
-    return zero_ledger.stages_memory_and_traffic()
+    return sharding.stages_memory_and_traffic()
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -102,8 +103,12 @@ def cuda_memory_worker(stage):
     elements, shards of 384), so the allocator's rounding changes none of them; the two storages outside
     the ledger (the frozen parameter, a step counter kept on the GPU) are rounded up to 512 B here."""
     import gc
-    k, dev = dist.get_world_size(), device()
-    block = lambda nbytes: -(-nbytes // 512) * 512
+    k = dist.get_world_size()
+    dev = device()
+
+    def block(nbytes):
+        """nbytes rounded up to the allocator's 512-byte blocks."""
+        return -(-nbytes // 512) * 512
 
     def once():
         model = Toy([(128 * k,), (2 * k, 128)], torch.float32)

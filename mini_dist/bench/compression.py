@@ -11,11 +11,11 @@ PowerSGD can cost more than it saves here; it pays where the network is the bott
 import copy
 
 import torch
-from torch import nn
 
 from mini_dist import bench
 from mini_dist.compression import PowerSGDState, powerSGD_hook
 from mini_dist.ddp import DistributedDataParallel
+from mini_dist.kit import models
 from mini_dist.kit.launch import device
 
 
@@ -37,8 +37,7 @@ def _step(model, x, optimizer):
 def powersgd_step(args, widths=(1024, 2048, 2048, 1024), rank=4, repeats=9) -> list[bench.Result]:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as native
     from torch.nn.parallel import DistributedDataParallel as NativeDDP
-    torch.manual_seed(0)
-    base = nn.Sequential(*(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))).to(device())
+    base = models.linears(widths)
     x = torch.randn(32, widths[0], device=device())
     state = dict(matrix_approximation_rank=rank, start_powerSGD_iter=2)
     sides = {}

@@ -51,12 +51,22 @@ def ddp(args, repeats: int = 20) -> list[bench.Result]:
 
 def collective_costs(numel: int, repeats: int = 7) -> str:
     """What each way to reduce-scatter and all-gather a flat vector of `numel` fp32 costs here (medians)."""
-    k, S = dist.get_world_size(), -(-numel // dist.get_world_size())
-    flat, shard = torch.randn(k * S, device=launch.device()), torch.empty(S, device=launch.device())
-    broadcasts = lambda: [w.wait() for w in [dist.broadcast(flat[r * S:(r + 1) * S], group_src=r, async_op=True)
-                                            for r in range(k)]]
-    reduces = lambda: [w.wait() for w in [dist.reduce(flat[r * S:(r + 1) * S], group_dst=r, async_op=True)
-                                         for r in range(k)]]
+    k = dist.get_world_size()
+    S = -(-numel // k)
+    flat = torch.randn(k * S, device=launch.device())
+    shard = torch.empty(S, device=launch.device())
+
+    def broadcasts():
+        """Shard r from rank r to every rank, K broadcasts in flight at once."""
+        works = [dist.broadcast(flat[r * S:(r + 1) * S], group_src=r, async_op=True) for r in range(k)]
+        for w in works:
+            w.wait()
+
+    def reduces():
+        """Shard r summed onto rank r, K reduces in flight at once."""
+        works = [dist.reduce(flat[r * S:(r + 1) * S], group_dst=r, async_op=True) for r in range(k)]
+        for w in works:
+            w.wait()
     ways = {"all_reduce (DDP, ZeroRedundancyOptimizer)": lambda: dist.all_reduce(flat),
             "reduce_scatter_single, SUM": lambda: dist.reduce_scatter_single(shard, flat),
             "reduce_scatter_single, AVG": lambda: dist.reduce_scatter_single(shard, flat, op=dist.ReduceOp.AVG),
@@ -69,6 +79,7 @@ def collective_costs(numel: int, repeats: int = 7) -> str:
 
 def zero(args, repeats: int = 61) -> list[bench.Result]:
     widths = (512, 1024, 1024, 512)
+
     def built(stage):  # the same model on every rank: ZeroOptimizer on the bare model, or native DDP + ZeRO
         model = mlp(widths, torch.float32).to(launch.device())
         if stage is not None:

@@ -1,12 +1,14 @@
 """The toy models and training steps that demos, tests and benchmarks share.
 
     mlp                 Linear, Tanh, ..., Linear: the replica DDP, ZeRO and the benchmarks train
+    linears             Linear, ..., Linear, nothing between: plain gradient matrices, what PowerSGD compresses
     Block               a residual MLP standing in for a transformer block: the unit FSDP gathers whole
     block_stack         Linear -> Blocks -> Linear, the model FSDP wraps (each Block one unit)
     fully_shard_blocks  torch's own FSDP2 (fully_shard) on each Block and the root: FSDP's reference
     accumulation_step   one optimizer step over K micro-batches, the loss divided by K (DDP's lesson)
     regression_step     one step of mean squared error against a target (FSDP's loop)
     random_batch_steps  steps on a fresh random batch per rank and step (ZeRO's loop)
+    teacher_steps       SGD toward a teacher's linear map, the test loss after each step (compression's loop)
 
 Every model is seeded, so every rank builds the same one; the data is each rank's own.
 """
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mini_dist.kit import launch
+from mini_dist.kit.wire import LEDGER
 
 
 def mlp(widths: list[int], dtype=torch.float64, seed: int = 0, device=None) -> nn.Sequential:
@@ -29,12 +32,21 @@ def mlp(widths: list[int], dtype=torch.float64, seed: int = 0, device=None) -> n
     return nn.Sequential(*layers[:-1])
 
 
+def linears(widths: list[int], dtype=torch.float32, seed: int = 0, device=None) -> nn.Sequential:
+    """Linear(widths[0], widths[1]), ..., Linear(widths[-2], widths[-1]) and nothing between, from
+    torch.manual_seed(seed), on `device` (default: this rank's)."""
+    torch.manual_seed(seed)
+    device = device or launch.device()
+    return nn.Sequential(*(nn.Linear(a, b, dtype=dtype, device=device) for a, b in zip(widths, widths[1:])))
+
+
 class Block(nn.Module):
     """A residual MLP standing in for a transformer block: the unit FSDP gathers and frees whole."""
 
     def __init__(self, width: int, hidden: int, device=None):
         super().__init__()
-        self.up, self.down = nn.Linear(width, hidden, device=device), nn.Linear(hidden, width, device=device)
+        self.up = nn.Linear(width, hidden, device=device)
+        self.down = nn.Linear(hidden, width, device=device)
 
     def forward(self, x):
         return x + self.down(torch.tanh(self.up(x)))
@@ -91,3 +103,28 @@ def random_batch_steps(model, forward, optimizer, steps: int) -> None:
         optimizer.zero_grad()
         (forward(x) ** 2).mean().backward()
         optimizer.step()
+
+
+def teacher_steps(model, forward, steps: int, lr: float) -> list[float]:
+    """`steps` steps of SGD (momentum 0.9) on model's parameters, each the mean squared error of forward(x)
+    (the model, or the model wrapped by DDP) against a teacher's linear map, x a batch of 16 of this rank's
+    own, its inputs scaled from 1 down to 0.03: steady small directions, the ones low-rank compression drops.
+    The kit's LEDGER is reset before each step, so it holds the last step's bytes. Returns the loss on 512
+    test samples (the same on every rank) after each step."""
+    d = model[0].in_features
+    g = torch.Generator().manual_seed(0)  # the teacher: the same on every rank
+    teacher = torch.randn(d, model[-1].out_features, generator=g).to(launch.device()) / d ** 0.5
+    scales = torch.logspace(0, -1.5, d, device=launch.device())
+    x_test = torch.randn(512, d, generator=torch.Generator().manual_seed(7)).to(launch.device()) * scales
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, d, generator=g).to(launch.device()) * scales
+        LEDGER.reset()
+        nn.functional.mse_loss(forward(x), x @ teacher).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            losses.append(nn.functional.mse_loss(model(x_test), x_test @ teacher).item())
+    return losses
