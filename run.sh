@@ -65,6 +65,8 @@ TOUR=(
   "train_5d 8 --dp 2 --pp 2 --cp 2 --moe 4 --ep 2"
   "cost_model 1"
   "gpt_ledger 1"
+  "rank_ledger 1"
+  "step_time 1"
   "planner 1"
 )
 

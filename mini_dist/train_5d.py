@@ -34,7 +34,7 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import cost_model, gpt_ledger
+from mini_dist import cost_model, gpt_ledger, rank_ledger
 from mini_dist.gpt_ledger import routed_rows
 from mini_dist.comm import COUNTER
 from mini_dist.ddp import DistributedDataParallel
@@ -211,7 +211,7 @@ def predictions(run: Run, cfg: Config, mesh: Mesh, microbatches: int, schedule: 
     plan = cost_model.Plan(dp=g.dp, pp=g.pp, cp=g.cp, tp=g.tp, ep=g.ep, zero=zero, checkpoint=cfg.checkpoint,
                            micro_batch=run.local_batch // microbatches, microbatches=microbatches, precision="fp64")
     place = mesh.coords["ep_index"] + g.ep * mesh.coords["ep_replica"]  # the rank's place in dp x cp
-    return gpt_ledger.rank_ledger(model, plan, schedule, run.layout, mesh.pp_rank, place, run.routed,
+    return rank_ledger.rank_ledger(model, plan, schedule, run.layout, mesh.pp_rank, place, run.routed,
                                   gpt_ledger.attention_keeps_scores(model, plan, launch.device()))
 
 

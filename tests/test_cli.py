@@ -30,6 +30,8 @@ BAD = {
     "context_parallel": (5, [], "--seq"),
     "cost_model": (1, ["--ranks", "0"], "--ranks"),
     "gpt_ledger": (1, ["--tp", "3"], "--tp"),
+    "rank_ledger": (1, ["--tp", "3"], "--tp"),
+    "step_time": (1, ["--serial", "2"], "--serial"),
     "ddp": (2, ["--steps", "0"], "--steps"),
     "expert_parallel": (3, [], "experts"),
     "flat_param": (2, ["--sizes", "4"], "--sizes"),
