@@ -60,6 +60,7 @@ TOUR=(
   "pipeline_agreement 4"
   "pipeline_bubble 4"
   "mesh 4 --dp 2 --tp 2"
+  "tiny_gpt 4 --cp 2 --tp 2 --moe 4 --ep 2"
   "parallel_gpt 4 --cp 2 --tp 2 --moe 4 --ep 2"
   "train_5d 8 --dp 2 --pp 2 --tp 2"
   "train_5d 8 --dp 2 --pp 2 --cp 2 --moe 4 --ep 2"

@@ -43,8 +43,9 @@ from mini_dist.fsdp import FullyShardedDataParallel
 from mini_dist.kit import debug, launch
 from mini_dist.kit.measure import PeakSaved, side_by_side
 from mini_dist.mesh import Mesh, RankGrid, grid_for
-from mini_dist.parallel_gpt import Config, dense_model, get_batch, kind, local_batch, padded_vocab, parallel_model
 from mini_dist.parallel_gpt import configuration_error as model_error
+from mini_dist.parallel_gpt import local_batch, parallel_model
+from mini_dist.tiny_gpt import Config, dense_model, get_batch, kind, padded_vocab
 from mini_dist.pipeline import pipeline_step
 from mini_dist.pipeline_schedules import SCHEDULES
 from mini_dist.pipeline_stages import balanced_split, pipeline_chunks

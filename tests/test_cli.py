@@ -60,6 +60,7 @@ BAD = {
     "tensor_parallel": (3, ["--hidden", "8"], "--hidden"),
     "topology": (4, ["--ranks-per-node", "3"], "ranks-per-node"),
     "tp_layout": (3, ["--hidden", "8"], "--hidden"),
+    "tiny_gpt": (3, ["--tp", "3"], "--tp"),
     "train_5d": (4, ["--dp", "2", "--pp", "2", "--tp", "1", "--zero", "3", "--moe", "4", "--ep", "2"], "--zero 3"),
     "ulysses": (3, ["--heads", "8"], "heads"),
     "vocab_parallel": (7, [], "vocab"),

@@ -11,7 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mini_dist import gpt_ledger
 from mini_dist.cost_model import Model, Plan
 from mini_dist.kit import launch
-from mini_dist.parallel_gpt import Config
+from mini_dist.tiny_gpt import Config
 
 
 @given(tp=st.sampled_from([1, 2, 4]), cp=st.sampled_from([1, 2, 4]), ep=st.sampled_from([1, 2]),

@@ -25,7 +25,7 @@ from harness import RankFailure, run
 from mini_dist import train_5d
 from mini_dist.kit import launch
 from mini_dist.mesh import Mesh, RankGrid
-from mini_dist.parallel_gpt import Config, padded_vocab
+from mini_dist.tiny_gpt import Config, padded_vocab
 from mini_dist.pipeline import HEADER_LEN
 from mini_dist.pipeline_schedules import SCHEDULES
 from mini_dist.train_5d import configuration_error, predictions, train_dense
