@@ -187,7 +187,7 @@ def demo(args) -> int:
                    f"the 16 tokens")
     launch.require(E % args.ep == 0 and E != 1 and E >= 0 and (E or args.ep == 1),
                    f"--ep {args.ep} must divide --moe {E} (0, or 2 or more: top-2)")
-    model = Model(0, 4, 32, 4, 16, 28 + -28 % args.tp, E, 2)  # parallel_gpt's tiny GPT: V = 28 characters, padded
+    model = Model(0, 4, 32, 4, 16, 27 + -27 % args.tp, E, 2)  # the tiny GPT: its 27 characters, padded to T rows
     plan = Plan(dp=1, cp=args.cp, tp=args.tp, ep=args.ep, checkpoint=args.checkpoint, micro_batch=args.batch,
                 precision="fp64")
     counted = {kind: dense_numel(model, kind) for kind in KINDS}

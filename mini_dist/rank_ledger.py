@@ -35,6 +35,7 @@ from mini_dist.kit import launch
 from mini_dist.pipeline import HEADER_LEN
 from mini_dist.pipeline_schedules import SCHEDULES
 from mini_dist.pipeline_stages import balanced_split
+from mini_dist.tiny_gpt import padded_vocab
 
 
 def rank_ledger(model: Model, plan: Plan, schedule: str, layout: list, pp_rank: int, place: int, routed=None,
@@ -202,7 +203,7 @@ def demo(args) -> int:
                    f"the 4 heads, 2 x --cp the 16 tokens, --pp x --chunks <= the 6 layers (embedding, 4 blocks, head)")
     launch.require(d["dp"] * d["cp"] % d["ep"] == 0 and E % d["ep"] == 0 and E != 1 and E >= 0 and (E or d["ep"] == 1),
                    f"--ep {d['ep']} must divide dp x cp = {d['dp'] * d['cp']} and --moe {E} (0, or 2 or more: top-2)")
-    model = Model(0, 4, 32, 4, 16, 28 + -28 % d["tp"], E, 2)  # train_5d's tiny GPT: V = 28 characters, padded
+    model = Model(0, 4, 32, 4, 16, padded_vocab(d["tp"]), E, 2)  # train_5d's tiny GPT
     plan = Plan(dp=d["dp"], pp=d["pp"], cp=d["cp"], tp=d["tp"], ep=d["ep"], zero=args.zero, microbatches=M,
                 checkpoint=args.checkpoint, micro_batch=-(-8 // (d["dp"] * M)), precision="fp64")  # train_5d's batch
     keys = ("dp", "pp", "cp", "tp", "ep", "params", "grads", "state", "activations")

@@ -40,6 +40,7 @@ BAD = {
     "fsdp_ledger": (2, ["--depth", "1"], "--depth"),
     "loss_scaling": (2, ["--steps", "0"], "steps"),
     "manifest": (1, ["--nested", "0"], "--nested"),
+    "measure_5d": (4, ["--dp", "2", "--pp", "2", "--tp", "1", "--zero", "3", "--moe", "4", "--ep", "2"], "--zero 3"),
     "mesh": (4, ["--pp", "3"], "pp"),
     "mixed_precision": (1, ["--lr", "0"], "--lr"),
     "moe": (1, ["--k", "9"], "--k"),
