@@ -86,11 +86,13 @@ class Trainer:
         self.no_sync = None       # DDP's, one per chunk: the pipeline syncs a chunk's gradients in its last backward
         self.fsdp = []
         if zero == 3:
-            self.stage = self.fsdp = [FullyShardedDataParallel(c, group=mesh.dp_cp_group) for c in self.chunks]
+            self.fsdp = [FullyShardedDataParallel(c, group=mesh.dp_cp_group) for c in self.chunks]
+            self.stage = self.fsdp
             self.optimizers = [torch.optim.Adam([p for f in self.fsdp for p in f.parameters()], lr=lr)]
         elif zero:
-            self.optimizers = [ZeroOptimizer([p for r in replicated for p in r], torch.optim.Adam, stage=zero,
-                                             group=mesh.dp_cp_group, collectives="ring", lr=lr)]
+            named = [pair for r in replicated for pair in r]  # (name, parameter): ZeRO's layout names each
+            self.optimizers = [ZeroOptimizer(named, torch.optim.Adam, stage=zero, group=mesh.dp_cp_group,
+                                             collectives="ring", lr=lr)]
         else:  # DDP over each chunk's replicated weights; gradients land in its buckets (no second copy)
             ddp = [DistributedDataParallel(nn.ParameterDict({n.replace(".", "/"): p for n, p in r}), DP_BUCKET_MB,
                                            mesh.dp_cp_group, ring_all_reduce, gradient_as_bucket_view=True,
