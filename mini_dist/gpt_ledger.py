@@ -11,7 +11,7 @@ microbatch (b sequences of s tokens, cut by context parallelism C); e bytes an e
     TP           a block all-reduces n*h*e four times (twice forward, twice backward; twice with experts,
                  which TP does not cut); the embedding once, the head once and its loss 3n*e more
     CP           ring attention sends K and V forward and dK and dV back: 6(C-1) * n*(h/T)*e per block
-    EP           each routed row leaves its rank and comes back, forward and backward: 2 * rows * h*e
+    EP           2 * (rows sent to other ranks + rows received from them) * h*e: forward, then their gradients
     activations  a block keeps e[(4nh + 4n) + (12nh + Hn)/T] for backward, e*n*h if it is checkpointed;
                  + e*Hn(s-1)/T under SDPA's math kernel (CUDA's for fp64), which keeps the H/T s x s
                  probabilities (Korthikanti's as^2b) where a fused kernel keeps one log-sum-exp per row
@@ -43,7 +43,7 @@ KINDS = ("embedding", "block", "head")  # the layers of the tiny GPT, in order: 
 
 
 def model_of(cfg) -> Model:
-    """The ledger's view of a parallel_gpt.Config: its shape, vocabulary and experts."""
+    """The ledger's view of a tiny_gpt.Config: its shape, vocabulary and experts."""
     return Model(0, cfg.layers, cfg.hidden, cfg.heads, cfg.seq, cfg.vocab, cfg.experts, cfg.top_k)
 
 

@@ -5,7 +5,7 @@ mini_dist/tiny_gpt.py writes the model once, dense from PyTorch's layers or cut 
 parameter names. Here each rank takes its shard of the dense weights and its part of the batch, over its
 groups of the mesh (mini_dist/mesh.py):
 
-    DP  the batch: B/dp sequences a replica
+    DP                                      the batch: B/dp sequences a replica, the weights whole
     TP  (tensor_parallel, vocab_parallel)   every weight matrix: heads, MLP columns/rows, vocabulary rows
     CP  (context_parallel)                  the sequence: s/C tokens per rank (zigzag), ring attention
     EP  (expert_parallel)                   the experts: E/ep per rank, their tokens moved by all-to-all
