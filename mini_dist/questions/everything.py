@@ -49,8 +49,8 @@ def five_axes() -> tuple[str, bool]:
     calls = LEDGER.calls["all_reduce"]  # the last step's, forward and backward
     grid = RankGrid(dp=2, pp=2, cp=2, tp=2)
     groups = ", ".join(f"{a} {grid.groups(a)[0]}" for a in ("tp", "cp", "pp", "dp"))
-    big = cost_model.Model(7 * 10 ** 9, 32, 4096, 32, 4096)
-    plan = cost_model.Plan(8, tp=8, microbatches=8)
+    big = Model(7 * 10 ** 9, 32, 4096, 32, 4096)
+    plan = Plan(8, tp=8, microbatches=8)
     tp = cost_model.tp_traffic(big, plan)
     dp = sum(cost_model.dp_traffic(big.params // 8, plan).values())
     figure = (f"a tiny GPT on dp {g.dp} x pp {g.pp} x cp {g.cp} x tp {g.tp}: the loss = one process's to {diff:.0e}; "
