@@ -64,11 +64,14 @@ TOUR=(
   "pipeline_executor 4"
   "pipeline_bubble 4"
   "mesh 4 --dp 2 --tp 2"
+  "tiny_gpt 4 --cp 2 --tp 2 --moe 4 --ep 2"
   "parallel_gpt 4 --cp 2 --tp 2 --moe 4 --ep 2"
   "train_5d 8 --dp 2 --pp 2 --tp 2"
-  "train_5d 8 --dp 2 --pp 2 --cp 2 --moe 4 --ep 2"
+  "measure_5d 8 --dp 2 --pp 2 --cp 2 --moe 4 --ep 2"
   "cost_model 1"
   "gpt_ledger 1"
+  "rank_ledger 1"
+  "step_time 1"
   "planner 1"
 )
 

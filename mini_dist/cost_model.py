@@ -1,8 +1,9 @@
-"""The cost model: what a plan of data, tensor, pipeline and context parallelism costs, in bytes and seconds.
+"""The cost model: what a plan of data, tensor, pipeline and context parallelism costs per GPU, in bytes.
 
 Each figure is a formula from the paper that introduced it, checked against what mini_dist's modules measure
-(tests/test_cost_model.py); mini_dist/gpt_ledger.py does the same accounting exactly, rank by rank, for
-mini_dist's tiny GPT, and mini_dist/planner.py picks a plan with it. GB = 1e9 bytes.
+(tests/test_cost_model.py). mini_dist/gpt_ledger.py and mini_dist/rank_ledger.py do the same accounting
+exactly, rank by rank, for mini_dist's tiny GPT; mini_dist/step_time.py turns the bytes into seconds on a
+cluster, and mini_dist/planner.py picks a plan with both. GB = 1e9 bytes.
 
 Model states. Per parameter, Adam in mixed precision keeps 2 bytes of bf16 weights, 2 of gradients and 12 of
 fp32 optimizer state (master weights, momentum, variance): 16 bytes (fp32 Adam: 4 + 4 + 8, also 16). ZeRO
@@ -16,12 +17,10 @@ layer's input, e*sbh, plus one layer while it is recomputed, their Section 5):
 
     e(4sbh + (12sbh + 2as^2b)/t) + 2sbh + as^2b/t        which for e = 2, t = 1 is sbh(34 + 5as/h)
 
-Traffic, bytes one GPU sends per step: ring all-reduce 2(K-1)/K*D, reduce-scatter and all-gather (K-1)/K*D
-each (Patarasuk and Yuan 2009); Megatron TP 4 all-reduces of b*s*h per layer, 2 forward, 2 backward (Shoeybi
-et al. 2019), 6 recomputing; a pipeline stage one activation forward and one gradient back per microbatch.
-Time: bubble (P-1)/(M+P-1) of a GPipe or 1F1B step (Huang et al. 2019; (P-1)/M is the bubble over the
-compute); 6 FLOPs per parameter per token (Kaplan et al. 2020), 8 recomputing; bytes / bandwidth, no latency,
-no overlap; Amdahl (1967): a serial fraction f caps the speed-up at 1/f. DeepSpeed's
+Traffic, the bytes one GPU sends per step. A ring all-reduce sends 2(K-1)/K*D, a reduce-scatter and an
+all-gather (K-1)/K*D each (Patarasuk and Yuan 2009). Megatron's tensor parallelism all-reduces b*s*h four times
+per layer, twice forward and twice backward (Shoeybi et al. 2019), six times when the layer is recomputed. A
+pipeline stage sends one activation forward and one gradient back per microbatch. DeepSpeed's
 estimate_zero3_model_states_mem_needs and Megatron's memory report use these formulas; PyTorch has none.
 
 Demo (one process): the 16 bytes per parameter counted in what torch.optim holds after a step, then the ZeRO
@@ -41,12 +40,14 @@ from mini_dist.kit import launch
 
 GB = 1e9
 PRECISIONS = {"fp32": (4, 4, 0), "bf16": (2, 2, 4), "fp16": (2, 2, 4), "fp64": (8, 8, 0)}  # weight, grad, master
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 OPTIMIZERS = {"sgd": 0, "momentum": 1, "adam": 2}  # state tensors per parameter (Adam: m and v), fp32 or wider
 STAGES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}
 
 
 @dataclass(frozen=True)
 class Model:
+    """A model as the cost model sees it: its parameter count and, where known, its shape."""
     params: int
     layers: int = 0  # 0: shape unknown, so are activations and TP/PP traffic
     hidden: int = 0
@@ -65,6 +66,7 @@ def gpt_params(layers: int, hidden: int, vocab: int, seq: int) -> int:
 
 @dataclass(frozen=True)
 class Cluster:
+    """GPUs, their memory and their links (mini_dist/step_time.py prices a plan on them)."""
     gpus: int
     gpus_per_node: int = 8
     memory_gb: float = 80.0
@@ -89,6 +91,7 @@ class Plan:
 
     @property
     def name(self) -> str:
+        """The plan as a table names it, e.g. "TP8 x PP4 x ZeRO-1 DP8 +ckpt"."""
         dp = STAGES[self.zero] + (f" DP{self.dp}" if self.tp * self.pp * self.cp > 1 else "")
         axes = [f"{a.upper()}{getattr(self, a)}" for a in ("tp", "cp", "pp", "ep") if getattr(self, a) > 1] + [dp]
         return " x ".join(axes) + (" +ckpt" if self.checkpoint else "")
@@ -115,7 +118,10 @@ def model_state_bytes(numel: int, k: int, zero: int, precision: str = "bf16",
     # exercise: each of the three, whole (numel) or sharded (ceil(numel/k)) by the stage; bytes_per_param's sizes
     w, g, o = bytes_per_param(precision, optimizer)
     s = shard(numel, k)
-    return w * (s if zero >= 3 else numel), g * (s if zero >= 2 else numel), o * (s if zero >= 1 else numel)
+    weights = w * (s if zero >= 3 else numel)
+    gradients = g * (s if zero >= 2 else numel)
+    state = o * (s if zero >= 1 else numel)
+    return weights, gradients, state
     # end exercise
 
 
@@ -124,8 +130,14 @@ def activation_bytes(model: Model, plan: Plan) -> tuple[int, int] | None:
     1F1B keeps min(M, P) microbatches alive on the first stage; plain accumulation keeps one."""
     if not model.layers:
         return None
-    s, b, h, a, t = model.seq, plan.micro_batch, model.hidden, model.heads, plan.tp
-    e, sbh, as2b = PRECISIONS[plan.precision][0], s * b * h, a * s * s * b
+    s = model.seq
+    b = plan.micro_batch
+    h = model.hidden
+    a = model.heads
+    t = plan.tp
+    e = PRECISIONS[plan.precision][0]
+    sbh = s * b * h
+    as2b = a * s * s * b
     layer = e * (4 * sbh + (12 * sbh + 2 * as2b) // t) + 2 * sbh + as2b // t
     stored = model.layers // plan.pp * min(plan.microbatches, plan.pp)
     return stored * layer, stored * e * sbh + layer
@@ -156,12 +168,16 @@ def dp_traffic(numel: int, plan: Plan) -> dict[str, int]:
     only, so they reduce-scatter after every microbatch; FSDP also gathers the weights for each forward
     and again for each backward (they were freed in between)."""
     w, g, _ = bytes_per_param(plan.precision, plan.optimizer)
-    k, m = plan.dp, plan.microbatches
-    ar, rs, ag = (collective_bytes(kind, numel, k, e) for kind, e in
-                  (("all_reduce", g), ("reduce_scatter", g), ("all_gather", w)))
-    return [{"all_reduce": ar}, {"all_reduce": ar, "all_gather": ag},
-            {"reduce_scatter": m * rs, "all_gather": ag},
-            {"all_gather": 2 * m * ag, "reduce_scatter": m * rs}][plan.zero]
+    k = plan.dp
+    m = plan.microbatches
+    all_reduce = collective_bytes("all_reduce", numel, k, g)
+    reduce_scatter = collective_bytes("reduce_scatter", numel, k, g)
+    all_gather = collective_bytes("all_gather", numel, k, w)
+    by_stage = [{"all_reduce": all_reduce},
+                {"all_reduce": all_reduce, "all_gather": all_gather},
+                {"reduce_scatter": m * reduce_scatter, "all_gather": all_gather},
+                {"all_gather": 2 * m * all_gather, "reduce_scatter": m * reduce_scatter}]
+    return by_stage[plan.zero]
 
 
 def tp_traffic(model: Model, plan: Plan) -> int:
@@ -180,55 +196,7 @@ def pp_traffic(model: Model, plan: Plan, stage: int | None = None) -> int:
     return plan.microbatches * act * ((stage < plan.pp - 1) + (stage > 0))
 
 
-def bubble(p: int, m: int) -> float:
-    """Idle fraction of a GPipe or 1F1B step: P-1 slots of warm-up and drain out of M+P-1."""
-    return (p - 1) / (m + p - 1)
-
-
-def amdahl(serial: float, n: int) -> float:
-    """Speedup on n workers when a fraction `serial` of the work cannot be split; tends to 1/serial."""
-    need(0 <= serial <= 1 and n >= 1, f"serial fraction must lie in [0, 1], workers >= 1; got {serial}, {n}")
-    return 1 / (serial + (1 - serial) / n)
-
-
-# ----------------------------------------------------------------------------- guards
-
-def need(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def validate(model: Model, plan: Plan, cluster: Cluster) -> None:
-    """Raise ValueError saying what to change; every plan passes here before any arithmetic."""
-    counts = dict(params=model.params, seq=model.seq, gpus=cluster.gpus, gpus_per_node=cluster.gpus_per_node,
-                  dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep, micro_batch=plan.micro_batch,
-                  microbatches=plan.microbatches, layers=model.layers, hidden=model.hidden, heads=model.heads)
-    for name, value in counts.items():
-        least = 0 if name in ("layers", "hidden", "heads") else 1  # a shape of zeros: unknown
-        need(isinstance(value, int) and value >= least, f"{name} must be a whole number >= {least}, got {value!r}")
-    for name in ("memory_gb", "intra_gbps", "inter_gbps", "tflops"):
-        need(getattr(cluster, name) > 0, f"{name} must be > 0, got {getattr(cluster, name)!r}")  # NaN too
-    for name, value, allowed in (("zero stage", plan.zero, STAGES), ("precision", plan.precision, PRECISIONS),
-                                 ("optimizer", plan.optimizer, OPTIMIZERS)):
-        need(value in allowed, f"{name} must be one of {list(allowed)}, got {value!r}")
-    need(cluster.gpus <= cluster.gpus_per_node or cluster.gpus % cluster.gpus_per_node == 0,
-          f"{cluster.gpus} GPUs are not whole nodes of {cluster.gpus_per_node}: change gpus or gpus_per_node")
-    need(plan.dp * plan.tp * plan.pp * plan.cp == cluster.gpus, f"dp x tp x pp x cp = {plan.dp} x {plan.tp} x "
-          f"{plan.pp} x {plan.cp} must equal the {cluster.gpus} GPUs: pick tp, pp, cp whose product divides "
-          f"{cluster.gpus}")
-    need(plan.dp * plan.cp % plan.ep == 0, f"ep = {plan.ep} must divide dp x cp = {plan.dp * plan.cp}")
-    shape = (model.layers, model.hidden, model.heads)
-    if any(shape):
-        need(all(shape), f"give all of layers, hidden, heads or none of them, got {shape}")
-        need(model.hidden % model.heads == 0, f"heads ({model.heads}) must divide hidden ({model.hidden})")
-        need(model.heads % plan.tp == 0, f"tp = {plan.tp} must divide the {model.heads} heads (whole heads each)")
-        need(model.layers % plan.pp == 0, f"pp = {plan.pp} must divide the {model.layers} layers (equal stages)")
-
-
-# ----------------------------------------------------------------------------- the formulas against torch
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
-
+# ----------------------------------------------------------------------------- demo
 
 def measured_model_state_bytes(numel: int, precision: str, optimizer: str) -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) bytes torch holds after one step of a model of numel parameters.
@@ -239,15 +207,21 @@ def measured_model_state_bytes(numel: int, precision: str, optimizer: str) -> tu
     weight.grad = torch.ones_like(weight)
     master = torch.nn.Parameter(weight.detach().float()) if PRECISIONS[precision][2] else weight
     master.grad = weight.grad.to(master.dtype)
-    opt = (torch.optim.Adam if optimizer == "adam" else torch.optim.SGD)(
-        [master], lr=0.1, **({"momentum": 0.9} if optimizer == "momentum" else {}))
+    if optimizer == "adam":
+        opt = torch.optim.Adam([master], lr=0.1)
+    else:
+        opt = torch.optim.SGD([master], lr=0.1, momentum=0.9 if optimizer == "momentum" else 0.0)
     opt.step()
-    size = lambda t: t.numel() * t.element_size()  # noqa: E731
     state = sum(size(t) for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-    return size(weight), size(weight.grad), state + (size(master) if master is not weight else 0)
+    if master is not weight:
+        state += size(master)
+    return size(weight), size(weight.grad), state
 
 
-# ----------------------------------------------------------------------------- demo
+def size(t: torch.Tensor) -> int:
+    """Bytes of a tensor's elements."""
+    return t.numel() * t.element_size()
+
 
 def parser():
     p = launch.demo_parser(__doc__)
@@ -261,7 +235,8 @@ def parser():
 def demo(args) -> int:
     launch.require(args.numel >= 1, f"--numel must be >= 1, got {args.numel}")
     launch.require(args.ranks >= 1, f"--ranks must be >= 1, got {args.ranks}")
-    n, k = args.numel, args.ranks
+    n = args.numel
+    k = args.ranks
     measured = measured_model_state_bytes(n, args.precision, args.optimizer)
     predicted = model_state_bytes(n, 1, 0, args.precision, args.optimizer)
     print(f"{args.precision} {args.optimizer}, N = {n:,}: torch holds weights, gradients, state = "

@@ -73,8 +73,10 @@ class RankGrid:
         """The inverse of rank(), and the rank's place in expert parallelism: f = dp * cp + cp_index in the
         data x context product, ep_index = f % ep (which experts), ep_replica = f // ep (which copy of them)."""
         # exercise: peel tp, cp, pp, dp off the rank (divide and take remainders), then f, ep_index, ep_replica
-        tp, cp, pp, dp = rank % self.tp, rank // self.tp % self.cp, rank // (self.tp * self.cp) % self.pp, \
-            rank // (self.tp * self.cp * self.pp)
+        tp = rank % self.tp
+        cp = rank // self.tp % self.cp
+        pp = rank // (self.tp * self.cp) % self.pp
+        dp = rank // (self.tp * self.cp * self.pp)
         f = dp * self.cp + cp  # place in the data x context product
         return {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "ep_index": f % self.ep, "ep_replica": f // self.ep}
         # end exercise
@@ -92,28 +94,33 @@ class RankGrid:
     def size(self) -> int:
         return self.dp * self.pp * self.cp * self.tp
 
-    def __post_init__(self):
-        for axis in AXES + ("ep",):
-            if getattr(self, axis) < 1:
-                raise ValueError(f"--{axis} must be at least 1, got {getattr(self, axis)}")
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"--ep {self.ep} must divide dp x cp = {self.dp} x {self.cp} = {self.dp * self.cp}: "
-                             f"expert parallelism reuses the ranks of the data x context product")
-
     def picture(self) -> str:
         """One block per data-parallel replica: pipeline stages as rows, cp groups of tp ranks in a row."""
         lines = []
         for d in range(self.dp):
             lines.append(f"DP replica {d}:")
             for p in range(self.pp):
-                row = "  ".join("[" + " ".join(f"r{self.rank(d, p, c, t)}" for t in range(self.tp)) + "]"
-                                for c in range(self.cp))
-                lines.append(f"  PP stage {p:<3} {row}" + ("   (cp ranks side by side, tp ranks in [ ])"
-                                                           if d == p == 0 and self.cp > 1 else ""))
+                cp_groups = []
+                for c in range(self.cp):
+                    tp_ranks = " ".join(f"r{self.rank(d, p, c, t)}" for t in range(self.tp))
+                    cp_groups.append(f"[{tp_ranks}]")
+                note = "   (cp ranks side by side, tp ranks in [ ])" if d == p == 0 and self.cp > 1 else ""
+                lines.append(f"  PP stage {p:<3} {'  '.join(cp_groups)}{note}")
         if self.ep > 1:
-            lines.append("EP groups (each holds all experts between them): " +
-                         " ".join(str(g) for g in self.groups("ep")[:4]) + " ..." * (len(self.groups("ep")) > 4))
+            ep_groups = self.groups("ep")
+            shown = " ".join(str(g) for g in ep_groups[:4])
+            more = " ..." if len(ep_groups) > 4 else ""
+            lines.append(f"EP groups (each holds all experts between them): {shown}{more}")
         return "\n".join(lines)
+
+    def __post_init__(self):
+        """Refuse a degree below 1, and an ep that does not divide the data x context product."""
+        for axis in AXES + ("ep",):
+            if getattr(self, axis) < 1:
+                raise ValueError(f"--{axis} must be at least 1, got {getattr(self, axis)}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"--ep {self.ep} must divide dp x cp = {self.dp} x {self.cp} = {self.dp * self.cp}: "
+                             f"expert parallelism reuses the ranks of the data x context product")
 
 
 class Mesh:
@@ -127,15 +134,25 @@ class Mesh:
                              f"world has {world}; choose degrees whose product is {world}")
         me = dist.get_rank()
         self.coords = self.grid.coords(me)
-        self.ranks, self.group = {}, {}
+        self.ranks = {}  # group name -> the ranks of this rank's group of that kind
+        self.group = {}  # group name -> that group
         for name in GROUPS:
             for ranks in self.grid.groups(name):  # every rank creates every group, in the same order
                 group = launch.new_group(ranks)
                 if me in ranks:
-                    self.ranks[name], self.group[name] = ranks, group
-        self.dp_group, self.pp_group, self.cp_group, self.tp_group = (self.group[a] for a in AXES)
-        self.dp_cp_group, self.ep_group, self.edp_group = (self.group[a] for a in ("dp_cp", "ep", "edp"))
-        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (self.coords[a] for a in AXES)
+                    self.ranks[name] = ranks
+                    self.group[name] = group
+        self.dp_group = self.group["dp"]
+        self.pp_group = self.group["pp"]
+        self.cp_group = self.group["cp"]
+        self.tp_group = self.group["tp"]
+        self.dp_cp_group = self.group["dp_cp"]
+        self.ep_group = self.group["ep"]
+        self.edp_group = self.group["edp"]
+        self.dp_rank = self.coords["dp"]
+        self.pp_rank = self.coords["pp"]
+        self.cp_rank = self.coords["cp"]
+        self.tp_rank = self.coords["tp"]
 
 
 def grid_for(world: int, dp: int | None = None, pp: int | None = None, cp: int | None = None,
@@ -147,13 +164,16 @@ def grid_for(world: int, dp: int | None = None, pp: int | None = None, cp: int |
     given = {a: d for a, d in degrees.items() if d is not None}
     for axis, d in {**given, "ep": ep}.items():
         launch.require(d >= 1, f"--{axis} must be at least 1, got {d}")
-    fixed, named = math.prod(given.values()), " x ".join(f"--{a} {d}" for a, d in given.items())
+    fixed = math.prod(given.values())
+    named = " x ".join(f"--{a} {d}" for a, d in given.items())
     if len(given) == len(AXES):
         launch.require(fixed == world, f"{named} = {fixed} ranks, but the world has {world}: choose degrees "
                                        f"whose product is {world}")
-    launch.require(world % fixed == 0, f"{named}{f' = {fixed}' * (len(given) > 1)} does not divide the world of "
-                                       f"{world} ranks: choose degrees whose product divides {world}")
-    missing, left = [a for a in ("tp", "cp", "pp", "dp") if a not in given], world // fixed
+    asked = f"{named} = {fixed}" if len(given) > 1 else named
+    launch.require(world % fixed == 0, f"{asked} does not divide the world of {world} ranks: choose degrees whose "
+                                       f"product divides {world}")
+    missing = [a for a in ("tp", "cp", "pp", "dp") if a not in given]
+    left = world // fixed
     for axis in missing[:-1]:  # the last one missing takes what is left
         want = {"tp": 2, "cp": 1, "pp": default_pp, "dp": 1}[axis]
         degrees[axis] = want if left % want == 0 else 1
@@ -165,6 +185,8 @@ def grid_for(world: int, dp: int | None = None, pp: int | None = None, cp: int |
                                       f"{product}: expert parallelism reuses the ranks of the data x context product")
     return RankGrid(**degrees, ep=ep)
 
+
+# ----------------------------------------------------------------------------- demo
 
 def device_mesh_groups(grid: RankGrid, device_type: str) -> dict[str, list[int]]:
     """The same groups from torch's DeviceMesh (the reference): the 4-D mesh, dp x cp flattened, and that

@@ -1,15 +1,14 @@
 """The cost model (mini_dist/cost_model.py): the papers' formulas, their invariants, and each checked against
 what mini_dist's modules measure.
 
-Everything here is integer arithmetic, so the assertions are exact (==), except a few float ratios
-(bubble, Amdahl) compared with math.isclose at 1e-12 relative: a handful of float operations, each
-rounding by at most 2^-53. Cross-checks against measurements: PyTorch's own optimizer state tensors
-(single process), the bytes activation_checkpoint.py's transformer layer keeps for backward (with and
-without checkpointing), and the byte ledgers of ring_allreduce.py, ddp.py, zero.py, fsdp.py, the tensor-
-parallel block (plain and recomputed) and pipeline_executor.py (multi-rank, via the harness).
+Everything here is integer arithmetic, so the assertions are exact (==); the bubble and Amdahl's law
+are tested with mini_dist/step_time.py (tests/test_step_time.py). Cross-checks against measurements:
+PyTorch's own optimizer state tensors (single process), the bytes activation_checkpoint.py's transformer
+layer keeps for backward (with and without checkpointing), and the byte ledgers of ring_allreduce.py,
+ddp.py, zero.py, fsdp.py, the tensor-parallel block (plain and recomputed) and pipeline_executor.py (multi-rank,
+via the harness).
 """
 import functools
-import math
 
 import pytest
 import torch
@@ -19,9 +18,8 @@ from hypothesis import strategies as st
 
 from harness import device, rank_generator, run
 from mini_dist import cost_model
-from mini_dist.cost_model import (GB, Model, Plan, activation_bytes, amdahl, bubble, bytes_per_param,
-                                  collective_bytes, dp_traffic, gpt_params, model_state_bytes,
-                                  ring_all_reduce_bytes_exact, shard)
+from mini_dist.cost_model import (GB, Model, Plan, activation_bytes, bytes_per_param, collective_bytes, dp_traffic,
+                                  gpt_params, model_state_bytes, ring_all_reduce_bytes_exact, shard)
 
 B = 10 ** 9
 PRECISION = st.sampled_from(["fp32", "bf16", "fp16"])
@@ -103,16 +101,20 @@ def test_gpt_params_counts_gpt2_small_exactly():
     assert gpt_params(12, 768, 50257, 1024) == 124_439_808  # GPT-2 small; nanoGPT: 123.65M without wpe
 
 
+def gpt2_block(h: int) -> list:
+    """A GPT-2 block's layers: layer norm, q/k/v, the attention's output, layer norm, MLP up and down."""
+    return [torch.nn.LayerNorm(h), torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h),
+            torch.nn.LayerNorm(h), torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)]
+
+
 @pytest.mark.single_process
 @settings(max_examples=10)
 @given(layers=st.integers(1, 3), hidden=st.integers(1, 24), vocab=st.integers(1, 50), seq=st.integers(1, 20))
 def test_gpt_params_equals_the_parameter_count_of_a_torch_gpt(layers, hidden, vocab, seq):
     h = hidden
     with torch.device("meta"):  # shapes only, nothing allocated or initialised
-        block = lambda: [torch.nn.LayerNorm(h), torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h),
-                         torch.nn.LayerNorm(h), torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)]
         gpt = torch.nn.ModuleList([torch.nn.Embedding(vocab, h), torch.nn.Embedding(seq, h),
-                                   *[m for _ in range(layers) for m in block()], torch.nn.LayerNorm(h)])
+                                   *[m for _ in range(layers) for m in gpt2_block(h)], torch.nn.LayerNorm(h)])
     assert sum(p.numel() for p in gpt.parameters()) == gpt_params(layers, hidden, vocab, seq)
 
 
@@ -128,11 +130,15 @@ def test_fp32_state_bytes_equal_pytorchs_live_tensors_after_a_step(optimizer, mo
     opt.step()
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
-    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
     state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
     steps = 4 * len(params) if optimizer == "adam" else 0
     assert (nbytes(params), nbytes(p.grad for p in params), nbytes(state) - steps) == \
         model_state_bytes(numel, 1, 0, "fp32", optimizer)
+
+
+def nbytes(tensors) -> int:
+    """Bytes of the tensors' elements."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 # ----------------------------------------------------------------------------- invariants
@@ -166,22 +172,6 @@ def test_checkpointing_saves_activation_memory_once_a_stage_has_two_layers(layer
 
 
 @pytest.mark.single_process
-@given(p=st.integers(1, 64), m=st.integers(1, 1024))
-def test_bubble_shrinks_with_microbatches_and_grows_with_stages(p, m):
-    assert 0 <= bubble(p, m) < 1 and (bubble(p, m) == 0) == (p == 1)
-    assert bubble(p, m + 1) <= bubble(p, m) <= bubble(p + 1, m)
-
-
-@pytest.mark.single_process
-@given(serial=st.floats(0, 1), n=st.integers(1, 10 ** 6))
-def test_amdahl_speedup_is_at_most_the_workers_and_at_most_one_over_serial(serial, n):
-    speedup = amdahl(serial, n)
-    assert 1 - 1e-12 <= speedup <= n * (1 + 1e-12)  # 1e-12: a few roundings of 2^-53 each
-    assert serial == 0 or speedup <= (1 / serial) * (1 + 1e-12)
-    assert amdahl(serial, n + 1) >= speedup * (1 - 1e-12)
-
-
-@pytest.mark.single_process
 @given(chunks=st.lists(st.integers(0, 1000), min_size=1, max_size=8), elem=st.sampled_from([1, 2, 4, 8]))
 def test_ring_exact_bytes_sum_to_2_n_minus_1_times_d_over_all_ranks_for_any_chunking(chunks, elem):
     n, d = len(chunks), sum(chunks) * elem
@@ -189,14 +179,6 @@ def test_ring_exact_bytes_sum_to_2_n_minus_1_times_d_over_all_ranks_for_any_chun
     assert sum(sent) == 2 * (n - 1) * d
     if len(set(chunks)) == 1:
         assert sent == [collective_bytes("all_reduce", sum(chunks), n, elem)] * n
-
-
-# ----------------------------------------------------------------------------- bad input
-
-
-def test_amdahl_rejects_a_serial_fraction_outside_0_to_1():
-    with pytest.raises(ValueError, match=r"serial fraction must lie in \[0, 1\]"):
-        amdahl(1.5, 8)
 
 
 # ----------------------------------------------------------------------------- measured ledgers

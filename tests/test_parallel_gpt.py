@@ -22,7 +22,8 @@ from harness import run
 from mini_dist import parallel_gpt
 from mini_dist.kit import launch
 from mini_dist.mesh import Mesh, RankGrid
-from mini_dist.parallel_gpt import Config, configuration_error, padded_vocab
+from mini_dist.parallel_gpt import configuration_error
+from mini_dist.tiny_gpt import Config, padded_vocab
 
 TOL = 1e-12
 _meshes = {}

@@ -1,8 +1,9 @@
-"""5D parallelism (mini_dist/train_5d.py): a tiny GPT trained on every factorisation dp x pp x cp x tp of 1, 2
-and 4 ranks, with or without experts cut over ep ranks of dp x cp, DDP, ZeRO-1, ZeRO-2 or FSDP on the data x
-context axis, every pipeline schedule, with or without recomputation, follows the loss curve of one process
-training the dense model on the same global batch; each rank moves the bytes of the formulas on each axis,
-and the ledger (mini_dist/gpt_ledger.py) predicts each rank's bytes and memory by category exactly.
+"""5D parallelism (mini_dist/train_5d.py), measured (mini_dist/measure_5d.py): a tiny GPT trained on every
+factorisation dp x pp x cp x tp of 1, 2 and 4 ranks, with or without experts cut over ep ranks of dp x cp, DDP,
+ZeRO-1, ZeRO-2 or FSDP on the data x context axis, every pipeline schedule, with or without recomputation,
+follows the loss curve of one process training the dense model on the same global batch; each rank moves the
+bytes of the formulas on each axis, and the ledger (mini_dist/rank_ledger.py) predicts each rank's bytes and
+memory by category exactly.
 
 Tolerance: fp64 (eps 2.2e-16), losses ~3. The runs differ only in the order of their sums (TP partial sums,
 the dp x cp average, microbatch sums, ring attention's online softmax, experts' rows, ZeRO's flat Adam): a few
@@ -22,13 +23,14 @@ from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from harness import RankFailure, run
-from mini_dist import train_5d
+from mini_dist import measure_5d, train_5d
 from mini_dist.kit import launch
 from mini_dist.mesh import Mesh, RankGrid
-from mini_dist.parallel_gpt import Config, padded_vocab
+from mini_dist.tiny_gpt import Config, padded_vocab
 from mini_dist.pipeline_messages import HEADER_LEN
 from mini_dist.pipeline_schedules import SCHEDULES
-from mini_dist.train_5d import configuration_error, predictions, train_dense
+from mini_dist.measure_5d import predictions
+from mini_dist.train_5d import configuration_error, train_dense
 
 STEPS = 3
 LOSS_TOL = 1e-13
@@ -51,7 +53,7 @@ def mesh_for(grid: RankGrid) -> Mesh:
 def train_on_ranks(grid, cfg, M, schedule, zero, chunks, math_kernel=False):
     mesh = mesh_for(grid)
     with sdpa_kernel(SDPBackend.MATH) if math_kernel else contextlib.nullcontext():
-        r = train_5d.train_5d(cfg, mesh, STEPS, M, schedule, zero, chunks)
+        r = measure_5d.measured_run(cfg, mesh, STEPS, M, schedule, zero, chunks)
         traffic, memory = predictions(r, cfg, mesh, M, schedule, zero)
     return dict(run=r, traffic=traffic, planned=memory, coords=mesh.coords)
 
@@ -63,15 +65,29 @@ def formula_bytes(res, cfg, grid, M, zero):
     virtual stage and M gradients back, + one 13-int64 header per stage; DP over N = dp*cp ranks with D
     replicated elements: DDP 2(N-1)/N*D*e per rank on average, ZeRO-1/2 3/2 ring passes of (N-1)*ceil(D/N)*e,
     FSDP 3M of them per layer (2M gathers, M reduce-scatters); experts: ZeRO's passes over N/ep ranks."""
-    r, e, h, (T, P, C, E) = res["run"], 8, cfg.hidden, (grid.tp, grid.pp, grid.cp, grid.ep)
-    layers, n, again = [k for c in r.layout for k in c], r.local_batch // M * cfg.seq // C, 1.5 if cfg.checkpoint else 1
-    L, ends = layers.count("block"), ("embedding" in layers) + ("head" in layers)
+    r = res["run"]
+    e = 8
+    h = cfg.hidden
+    T = grid.tp
+    P = grid.pp
+    C = grid.cp
+    E = grid.ep
+    layers = [k for c in r.layout for k in c]
+    n = r.local_batch // M * cfg.seq // C
+    again = 1.5 if cfg.checkpoint else 1
+    L = layers.count("block")
+    ends = ("embedding" in layers) + ("head" in layers)
     n_T = (2 if cfg.experts else 4) * again
     rows = sum(off for chunk in r.routed for off, _ in chunk)
     stages = [c * P + res["coords"]["pp"] for c in range(len(r.layout))]  # rank r holds stages r, r + P, ...
-    S, N = P * len(stages), grid.dp * C
-    ring = lambda passes, numel, k: passes * (k - 1) * math.ceil(numel / k) * e  # noqa: E731
-    D, X = (sum(x[i] for x in r.numels) for i in (0, 1))
+    S = P * len(stages)
+    N = grid.dp * C
+
+    def ring(passes, numel, k):
+        """Bytes of `passes` ring passes of k-1 shards of ceil(numel/k) elements."""
+        return passes * (k - 1) * math.ceil(numel / k) * e
+    D = sum(x[0] for x in r.numels)
+    X = sum(x[1] for x in r.numels)
     dp = {0: Fraction(2 * (N - 1) * D * e, N), 1: ring(3, D, N), 2: ring(2, D, N),
           3: sum(ring(3 * M, d, N) for d, _ in r.numels)}[zero]
     return {"dp": dp + (X > 0) * ring((2, 3, 2)[min(zero, 2)], X, N // E),
