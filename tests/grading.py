@@ -99,7 +99,7 @@ def failure_lines(kind: str, message: str, notes: list[str]) -> tuple[list[str],
     """What a check prints under a FAIL, and the line of the learner's file the failure points at (if any)."""
     if kind == "RankFailure":
         error, where, at = rank_failure(message)
-        said = [error]
+        said = [error, *re.findall(r"^mistake in .*$", message, re.M)]  # a mistake the property recognised
     else:
         said = [line.strip() for line in re.split(r"\nassert ", message, maxsplit=1)[0].splitlines() if line.strip()]
         said = said or [kind]
@@ -148,7 +148,7 @@ def start_fork_server(test_modules: list[str]) -> None:
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        doc = (getattr(item, "function", None).__doc__ or "").strip().split("\n")[0]
+        doc = " ".join((getattr(item, "function", None).__doc__ or "").strip().split("\n\n")[0].split())
         params = getattr(getattr(item, "callspec", None), "params", {})
         marker = item.get_closest_marker("exercise")
         judges = tuple(marker.kwargs.get("judges", ())) if marker else ()
@@ -175,11 +175,11 @@ def pytest_runtest_logreport(report):
     meaning, params, judges = MEANINGS.get(report.nodeid, (report.nodeid, "", ()))
     line = f"{meaning} [{params}]" if params else meaning
     if report.passed:
-        print(f"PASS  {line}", flush=True)
+        print("\n".join(wrapped("", line, "PASS")), flush=True)
     else:
         kind, message, notes = getattr(report, "graded", ("failed", report.longreprtext, []))
         said, at = failure_lines(kind, message, notes)
-        print("\n".join([f"FAIL  {line}", *said]), flush=True)
+        print("\n".join([*wrapped("", line, "FAIL"), *said]), flush=True)
         region = region_of(message, at, judges)
         if region:
             print(f"@region {region}", flush=True)
@@ -239,8 +239,9 @@ def demo_on_rank(module: str) -> tuple[int, str]:
 
     import torch.distributed as dist
 
-    from mini_dist.kit import launch
+    from mini_dist.kit import debug, launch
     concept = importlib.import_module(f"mini_dist.{module}")
+    debug.DEBUG = False  # as under torchrun: the pools check agreement, a demo's own figures count every message
     real = dist.all_reduce
 
     def all_reduce(tensor, *args, **kwargs):

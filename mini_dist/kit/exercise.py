@@ -65,7 +65,7 @@ def properties(module: str) -> list[tuple[str, tuple]]:
         for node in ast.parse(open(path).read()).body:
             marks = [d for d in getattr(node, "decorator_list", []) if "mark.exercise" in ast.unparse(d)]
             if isinstance(node, ast.FunctionDef) and marks:
-                doc = (ast.get_docstring(node) or node.name[5:].replace("_", " ")).split("\n")[0]
+                doc = " ".join((ast.get_docstring(node) or node.name[5:].replace("_", " ")).split("\n\n")[0].split())
                 judges = next((ast.literal_eval(k.value) for m in marks if isinstance(m, ast.Call)
                                for k in m.keywords if k.arg == "judges"), ())
                 found.append((doc, tuple(judges)))
@@ -195,7 +195,7 @@ def check(module: str, workspace: str = WORKSPACE, demo: bool = True, every: boo
     said, mine = [], state(workspace, module)
     for line in result.stdout:
         said.append(line)
-        if line.startswith(("PASS", "FAIL", "note")) or re.match(r" {6}\S", line):  # a verdict and its own lines
+        if line.startswith(("PASS  ", "FAIL  ", "note  ", "      ")):  # a verdict and its own lines
             print(line, end="", flush=True)
         elif line.startswith("@region "):  # where the failure points: the hints' function
             mine["failed"] = line.split()[1]
