@@ -41,19 +41,20 @@ def optional(ok: bool, claim: str, found: str, why: str) -> None:
     NOTES.setdefault(CURRENT[0], said)
 
 
-def mistake(mistakes: dict, name: str, evidence: str) -> str:
-    """'mistake in FUNCTION: NAME: evidence; what to change': the line a check prints under a failure."""
+def mistake(mistakes: dict, name: str, evidence: str, where: str | None = None) -> str:
+    """'mistake in FUNCTION: NAME: evidence; what to change': the line a check prints under a failure. `where`:
+    another function than the one MISTAKES names, where the same mistake can be made in several."""
     function, advice = mistakes[name]
-    return f"mistake in {function}: {name}: {evidence}; {advice}"
+    return f"mistake in {where or function}: {name}: {evidence}; {advice}"
 
 
 # ----- the report: pure functions of what a failure said
 
 def wrapped(label: str, text: str, verdict: str = "") -> list[str]:
     """`      label text` (or `FAIL  label text`), wrapped to the page, never cut: continuation lines align under
-    the text."""
+    the text (two spaces in, without a label)."""
     first = f"{verdict:<6}{label}"
-    return textwrap.wrap(text, WIDTH, initial_indent=first, subsequent_indent=" " * len(first),
+    return textwrap.wrap(text, WIDTH, initial_indent=first, subsequent_indent=" " * max(len(first), 8),
                          break_long_words=False, break_on_hyphens=False) or [first.rstrip()]
 
 
@@ -87,7 +88,8 @@ def rank_failure(text: str) -> tuple[str, list[str], int | None]:
         line, function, code = frames[-1]
         if f"rank {rank}" == cause[0] and not waited.search(block.split("\n", 1)[0]):
             at = int(line)
-            where.append(f"rank {rank} raised at {MODULE}.py:{line} in {function}: {code.strip()}")
+            if not code.startswith("raise NotImplementedError("):  # a blank: its own words say where
+                where.append(f"rank {rank} raised at {MODULE}.py:{line} in {function}: {code.strip()}")
         elif hung and waited.search(block.split("\n", 1)[0]):
             peer = re.search(r"(?:recv from|send to|waited for) (rank \d+|any rank)", block)
             whom = f" for {peer.group(1)}" if peer else ""
