@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -134,18 +135,62 @@ def region_of(message: str, at: int | None, judges: tuple) -> str | None:
 def pytest_configure(config):
     from hypothesis.internal.conjecture import engine  # an internal constant: without it, shrinking takes longer
     engine.MAX_SHRINKING_SECONDS = SHRINK_S
+
+
+# ----- a check's time: the ranks' fork server imports torch while this process does, and the pools start together
+
+WARM_WORLDS = range(1, 6)  # the world sizes the properties draw (an unused pool costs its ranks' start)
+WARMING: list = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config, parser, args):
+    """Before this process imports torch (conftest imports harness): the ranks' fork server starts importing
+    torch and the test modules (the learner's module with them) beside it, not after it."""
     if EXERCISE:
-        start_fork_server([os.path.splitext(os.path.basename(a))[0] for a in config.args])
+        import multiprocessing.forkserver
+        from multiprocessing import get_context
+        tests = [os.path.splitext(os.path.basename(a))[0] for a in args if a.endswith(".py")]
+        get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "mini_dist.kit.launch",
+                                                          "harness", "grading", *tests])
+        multiprocessing.forkserver.ensure_running()
 
 
-def start_fork_server(test_modules: list[str]) -> None:
-    """The ranks' fork server starts now, importing torch and the test modules (the learner's module with
-    them) while this process collects, instead of after it, when the first property asks for ranks."""
-    import multiprocessing.forkserver
-    from multiprocessing import get_context
-    get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "mini_dist.kit.launch",
-                                                      "harness", "grading", *test_modules])
-    multiprocessing.forkserver.ensure_running()
+def pytest_collection_finish(session):
+    """Every pool starts now, side by side (each waits for its ranks to meet), while the first property waits."""
+    if EXERCISE and session.items:
+        for world in WARM_WORLDS:
+            WARMING.append(threading.Thread(target=warm, args=(world,), daemon=True))
+            WARMING[-1].start()
+
+
+def warm(world: int) -> None:
+    from harness import RankFailure, run
+    try:
+        run(world, ready)
+    except RankFailure:
+        pass  # the first property that needs this pool starts it again, and says what failed
+
+
+def ready() -> None:
+    return None
+
+
+EXIT: list = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    EXIT.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Everything a check started is closed by now (the pools at the session's end; the fork server leaves with
+    this process): skip the interpreter's teardown of torch, a second a learner would wait for."""
+    if EXERCISE and EXIT:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT[-1])
 
 
 def pytest_collection_modifyitems(items):
@@ -160,6 +205,8 @@ def pytest_collection_modifyitems(items):
 
 def pytest_runtest_setup(item):
     CURRENT[0] = item.nodeid.split("[")[0]
+    while WARMING:
+        WARMING.pop().join()
 
 
 @pytest.hookimpl(hookwrapper=True)

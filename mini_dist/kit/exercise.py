@@ -119,16 +119,21 @@ def test_files(module: str) -> list[str]:
 
 def state(workspace: str, module: str) -> dict:
     """A module's hint state: hints seen per function, and the function the last failed check pointed at."""
-    path = os.path.join(workspace, ".hints.json")
-    return dict({"seen": {}, "failed": None}, **(json.load(open(path)) if os.path.exists(path) else {}).get(module, {}))
+    return dict({"seen": {}, "failed": None}, **everything(workspace).get(module, {}))
+
+
+def everything(workspace: str) -> dict:
+    try:
+        return json.load(open(os.path.join(workspace, ".hints.json")))
+    except (OSError, ValueError):  # none yet, or not ours to read: start again
+        return {}
 
 
 def remember(workspace: str, module: str, mine: dict | None) -> None:
-    path = os.path.join(workspace, ".hints.json")
-    everything = json.load(open(path)) if os.path.exists(path) else {}
-    everything[module] = mine
-    with open(path, "w") as f:
-        json.dump({k: v for k, v in everything.items() if v}, f, indent=1)
+    kept = dict(everything(workspace), **{module: mine})
+    with open(os.path.join(workspace, ".hints.json.tmp"), "w") as f:
+        json.dump({k: v for k, v in kept.items() if v}, f, indent=1)
+    os.replace(os.path.join(workspace, ".hints.json.tmp"), os.path.join(workspace, ".hints.json"))  # never half
 
 
 def hint(module: str, workspace: str = WORKSPACE) -> int:
