@@ -259,10 +259,17 @@ def test_a_bank_has_hints_for_every_blank_two_right_solutions_and_a_wrong_one_fo
     assert all(f in functions for f, _ in declared.values()), f"{module}: a mistake names a function with no blank"
 
 
+def function_node(tree, qualified: str):
+    """The definition of "Class.method" or "function" in a module's tree."""
+    node = tree
+    for name in qualified.split("."):
+        node = next(n for n in node.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == name)
+    return node
+
+
 def names_unknown(source: str, function: str, known: set) -> set:
     """Names a filled function reads that are neither its own, nor its module's, nor builtins."""
-    node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and
-                exercise.function_at(source, n.lineno) == function)
+    node = function_node(ast.parse(source), function)
     own = {a.arg for a in node.args.args + node.args.kwonlyargs} | {
         n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     read = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}

@@ -22,24 +22,31 @@ class Region(NamedTuple):
     function: str  # the qualified name of the function it sits in: "Class.method"
 
 
-def function_at(source: str, line: int) -> str | None:
-    """The qualified name ("Class.method") of the innermost function holding 1-based `line`."""
+def functions(source: str) -> list[tuple[int, int, str]]:
+    """(first line, last line, qualified name: "Class.method") of every function, 1-based, outer before inner."""
     found = []
 
     def visit(node, prefix):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                if not isinstance(child, ast.ClassDef) and child.lineno <= line <= child.end_lineno:
-                    found.append(prefix + child.name)
+                if not isinstance(child, ast.ClassDef):
+                    found.append((child.lineno, child.end_lineno, prefix + child.name))
                 visit(child, f"{prefix}{child.name}.")
     visit(ast.parse(source), "")
-    return found[-1] if found else None
+    return found
+
+
+def function_at(source: str, line: int, known: list | None = None) -> str | None:
+    """The innermost function holding 1-based `line` (known: functions(source), if already read)."""
+    inside = [(first, name) for first, last, name in known or functions(source) if first <= line <= last]
+    return max(inside)[1] if inside else None
 
 
 def regions(source: str) -> list[Region]:
     """Every marked region, in order."""
     lines = source.splitlines()
     found, open_at = [], None
+    known = functions(source)
     for i, line in enumerate(lines):
         start = START.match(line)
         if start and open_at is None:
@@ -53,7 +60,7 @@ def regions(source: str) -> list[Region]:
             if open_at is None:
                 raise ValueError(f"'# end exercise' at line {i + 1} closes no '# exercise:'")
             first, indent, contract = open_at
-            found.append(Region(first, i, indent, contract, function_at(source, first + 1) or "<module>"))
+            found.append(Region(first, i, indent, contract, function_at(source, first + 1, known) or "<module>"))
             open_at = None
     if open_at is not None:
         raise ValueError(f"'# exercise:' at line {open_at[0] + 1} has no '# end exercise'")
@@ -81,11 +88,18 @@ def blank(source: str, module: str) -> str:
 def blanks(source: str, module: str) -> list[tuple[int, int, str, int]]:
     """(first line, last line (1-based), function, column) of every blank's raise still in the source, in order."""
     found = []
-    for node in ast.walk(ast.parse(source)):
-        said = node.exc.args[0] if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and getattr(
-            node.exc.func, "id", None) == "NotImplementedError" and node.exc.args else None
-        if isinstance(said, ast.Constant) and str(said.value).startswith(f"{module}: write "):
-            found.append((node.lineno, node.end_lineno, function_at(source, node.lineno), node.col_offset))
+
+    def visit(node, function):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, f"{function}.{child.name}" if function else child.name)
+                continue
+            said = child.exc.args[0] if isinstance(child, ast.Raise) and isinstance(child.exc, ast.Call) and getattr(
+                child.exc.func, "id", None) == "NotImplementedError" and child.exc.args else None
+            if isinstance(said, ast.Constant) and str(said.value).startswith(f"{module}: write "):
+                found.append((child.lineno, child.end_lineno, function, child.col_offset))
+            visit(child, function)
+    visit(ast.parse(source), "")
     return sorted(found)
 
 
