@@ -239,6 +239,6 @@ case "${1:-tour}" in
   gpu) gpu_check ;;
   demos) shift; every_demo "${1:-2}" ;;
   exercise|check|hint) "$PY" mini_dist/kit/exercise.py "$@" ;;  # a script: the grader starts torch, not this
-  -h|--help|help) sed -n '2,15p' "$0" ;;
-  *) echo "./run.sh: unknown command '$1'" >&2; sed -n '2,15p' "$0" >&2; exit 2 ;;
+  -h|--help|help) sed -n '2,14p' "$0" ;;
+  *) echo "./run.sh: unknown command '$1'" >&2; sed -n '2,14p' "$0" >&2; exit 2 ;;
 esac
