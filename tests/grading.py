@@ -80,7 +80,8 @@ def rank_failure(text: str) -> tuple[str, list[str], int | None]:
     error = re.sub(r"\[\S*\.cc:\d+\] ", "", ": ".join(filter(None, cause)))  # gloo's source line: no help
     blocks = dict(re.findall(r"^\s*rank (\d+)(?: failed|:)(.*?)(?=^\s*rank \d+(?: failed|:)|\Z)", text, re.M | re.S))
     frame = re.compile(r'File "' + re.escape(EXERCISE or "") + r'", line (\d+), in (\w+)\n\s*(.+)')
-    where, at = [], None
+    where = []
+    at = None
     hung = any(TIMED_OUT.search(line) for _, line in said)
     for rank, block in blocks.items():
         frames = frame.findall(block)
@@ -106,7 +107,8 @@ def failure_lines(kind: str, message: str, notes: list[str]) -> tuple[list[str],
     else:
         said = [line.strip() for line in re.split(r"\nassert ", message, maxsplit=1)[0].splitlines() if line.strip()]
         said = said or [kind]
-        where, at = [], None
+        where = []
+        at = None
     out = wrapped("yours: ", said[0])
     for line in said[1:] + where:
         out += wrapped("", line)

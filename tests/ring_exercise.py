@@ -112,9 +112,11 @@ def probe_steps(module_name: str):
 
     import torch.distributed as dist
     ra = importlib.import_module(module_name)
-    r, n = dist.get_rank(), dist.get_world_size()
+    r = dist.get_rank()
+    n = dist.get_world_size()
     chunks = [torch.tensor([4 ** (r * n + c)], dtype=torch.int64, device=device()) for c in range(n)]
-    sent_to, real = [], ra.send_recv
+    sent_to = []
+    real = ra.send_recv
 
     def watched(send, dst, recv, src, *args, **kwargs):
         sent_to.append(dst)

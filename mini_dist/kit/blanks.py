@@ -45,7 +45,8 @@ def function_at(source: str, line: int, known: list | None = None) -> str | None
 def regions(source: str) -> list[Region]:
     """Every marked region, in order."""
     lines = source.splitlines()
-    found, open_at = [], None
+    found = []
+    open_at = None
     known = functions(source)
     for i, line in enumerate(lines):
         start = START.match(line)
@@ -110,7 +111,8 @@ def fill(blanked: str, module: str, bodies: dict) -> str:
     unknown = set(bodies) - {name for _, _, name, _ in spots}
     if unknown:
         raise KeyError(f"{module}: no blank in {sorted(unknown)}; the blanks are in {sorted({s[2] for s in spots})}")
-    written, count = [], {}
+    written = []
+    count = {}
     for first, last, name, column in spots:
         k = count[name] = count.get(name, -1) + 1
         given = bodies.get(name)

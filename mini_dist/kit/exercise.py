@@ -197,7 +197,8 @@ def check(module: str, workspace: str = WORKSPACE, demo: bool = True, every: boo
     result = subprocess.Popen([sys.executable, "-m", "pytest", *stop, "-m", "exercise", "-p", "no:cacheprovider",
                                "-p", "grading", "-p", "no:terminal", *tests],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    said, mine = [], state(workspace, module)
+    said = []
+    mine = state(workspace, module)
     for line in result.stdout:
         said.append(line)
         if line.startswith(("PASS  ", "FAIL  ", "note  ", "      ")):  # a verdict and its own lines
