@@ -209,7 +209,7 @@ def check(module: str, workspace: str = WORKSPACE, demo: bool = True, every: boo
             given = hints(module).get(mine["failed"], [])
             if given:
                 seen = min(mine["seen"].get(mine["failed"], 0), len(given))
-                print(f"      hint: ./run.sh hint {module} ({seen} of {len(given)} for {mine['failed']} seen)",
+                print(f"      hint: for {mine['failed']}, ./run.sh hint {module} ({seen} of {len(given)} seen)",
                       flush=True)
     status = 0 if result.wait() == 0 else 1
     if not any(line.startswith(("PASS", "FAIL")) for line in said):
