@@ -9,6 +9,7 @@
 #   ./run.sh ask [N ...] [--markdown]   the questions learners ask, each answered by a figure measured now
 #   ./run.sh exercise MODULE [--force]  write exercises/MODULE.py: the concept with its textbook code blanked
 #   ./run.sh check MODULE [--every]     grade exercises/MODULE.py with the properties that prove mini_dist
+#   ./run.sh hint MODULE                the next hint for the function of exercises/MODULE.py you are on
 #   ./run.sh demos [N]                  every demo of the tour on at most N ranks (default 2), several at once
 #   ./run.sh gpu                        the GPU check (one GPU): the suite on NCCL, every demo on 1 rank, a summary
 set -euo pipefail
@@ -333,7 +334,7 @@ case "${1:-tour}" in
   ask) shift; "$PY" -m mini_dist.questions "$@" ;;  # it starts its own ranks
   gpu) gpu_check ;;
   demos) shift; every_demo "${1:-2}" ;;
-  exercise|check) "$PY" -m mini_dist.kit.exercise "$@" ;;
+  exercise|check|hint) "$PY" mini_dist/kit/exercise.py "$@" ;;  # a script: the grader starts torch, not this
   -h|--help|help) sed -n '2,14p' "$0" ;;
   *) echo "./run.sh: unknown command '$1'" >&2; sed -n '2,14p' "$0" >&2; exit 2 ;;
 esac

@@ -54,14 +54,17 @@ class CopyToParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # exercise: f's forward: remember the group for backward; every rank needs all of x as it is
+        # exercise: return x as it is (f's forward is the identity: every rank needs all of x), and keep on ctx
+        #   what backward needs (it is given only ctx and the gradient).
         ctx.group = group
         return x
         # end exercise
 
     @staticmethod
     def backward(ctx, grad):
-        # exercise: f's backward: each rank holds a partial dx: sum them (comm.all_reduce), no grad for group
+        # exercise: return (dx, None): dx = dL/dx on every rank, L the sum of every rank's loss, grad this rank's
+        #   own dL/dy (y = x everywhere, each rank's loss using its y its own way); None: group takes no gradient.
+        #   Communicate with all_reduce(tensor, group) (a new tensor) or torch.distributed.all_reduce on a copy.
         return all_reduce(grad, ctx.group), None
         # end exercise
 
@@ -71,13 +74,16 @@ class ReduceFromParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # exercise: g's forward: sum the ranks' partial results (comm.all_reduce)
+        # exercise: return y, the sum over the group's ranks of every rank's x (each holds a partial result), the
+        #   same on every rank, as a new tensor (x is autograd's: never change it in place). Communicate with
+        #   all_reduce(tensor, group) or torch.distributed.all_reduce on a copy.
         return all_reduce(x, group)
         # end exercise
 
     @staticmethod
     def backward(ctx, grad):
-        # exercise: g's backward: dy reaches every partial sum unchanged; no grad for group
+        # exercise: return (dx, None): dx = dL/dx for this rank's x, given grad = dL/dy, y the sum of every rank's
+        #   x (every rank computed its loss from that same y); None: group takes no gradient.
         return grad, None
         # end exercise
 

@@ -92,7 +92,9 @@ def chunk_bounds(numel: int, n: int, elem_size: int) -> list[tuple[int, int]]:
 
 def textbook_reduce_scatter_steps(chunks: list[torch.Tensor], op=SUM, group=None) -> None:
     """N-1 steps, in place: afterwards chunks[rank] is chunk `rank` reduced over every rank (AVG: summed)."""
-    # exercise: N-1 steps: send chunk (r+1+s) % N to the left, receive chunk (r+2+s) % N from the right, reduce it in
+    # exercise: when it returns, chunks[r] on rank r is chunk r reduced by op over every rank (AVG: summed; the
+    #   caller divides); other chunks may hold anything. Any N, chunks of any lengths. Move pieces only with
+    #   send_recv(send, to, receive_into, from, group, "reduce-scatter"), combine with reduce_into(mine, incoming, op).
     r, n = dist.get_rank(group), dist.get_world_size(group)
     left, right = (r - 1) % n, (r + 1) % n
     for s in range(n - 1):
@@ -105,7 +107,9 @@ def textbook_reduce_scatter_steps(chunks: list[torch.Tensor], op=SUM, group=None
 
 def textbook_all_gather_steps(chunks: list[torch.Tensor], group=None) -> None:
     """N-1 steps, in place: chunks[rank] is complete; afterwards every chunk is."""
-    # exercise: N-1 steps: send chunk (r+s) % N to the left, receive chunk (r+1+s) % N from the right into place
+    # exercise: chunks[r] on rank r is complete when called; when it returns, every chunks[c] on every rank holds
+    #   rank c's chunks[c], copied (nothing added). Any N, chunks of any lengths. Move pieces only with
+    #   send_recv(send, to, receive_into, from, group, "all-gather").
     r, n = dist.get_rank(group), dist.get_world_size(group)
     left, right = (r - 1) % n, (r + 1) % n
     for s in range(n - 1):

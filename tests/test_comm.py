@@ -13,6 +13,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+from grading import mistake
 from harness import RankFailure, device, rank_generator, run, subgroup
 from mini_dist import comm
 from mini_dist.kit import debug
@@ -44,9 +45,23 @@ def test_every_operator_equals_its_one_process_meaning_exactly(world, data, b, s
             assert nbytes == (payload[name] if T > 1 else 0), (rank, name, nbytes)
 
 
+# ----- Megatron's f and g, the learner's exercise (./run.sh check comm), and the mistakes a check names
+
+MISTAKES = {  # each is made by a wrong solution of tests/bank_comm.py (tests/test_exercise.py holds that)
+    "f's backward does not reduce": ("CopyToParallelRegion.backward", "each rank's grad is only its share of "
+                                     "dL/dx: sum it over the ranks (all_reduce)"),
+    "reduced twice": ("ReduceFromParallelRegion.backward", "grad is already the whole dL/dy on every rank: g's "
+                      "backward passes it on as it is"),
+    "forward and backward swapped": ("CopyToParallelRegion.forward", "f is the identity forward and sums "
+                                     "backward; g sums forward and is the identity backward"),
+    "an average for a sum": ("ReduceFromParallelRegion.forward", "y is the sum of the partial results, not "
+                             "their mean: no division by the group's size"),
+}
+
+
 def f_and_g(seed, shape):
     """Megatron's f and g on integer fp64 data (every sum exact), each beside what it must equal:
-    [(what, ours, the one-process value)]."""
+    ([(what, ours, the one-process value)], this rank's own tensor, the replicated one)."""
     g = rank_generator(seed)
     replicated = torch.randint(-8, 8, shape, generator=torch.Generator().manual_seed(seed)).double().to(device())
     own = torch.randint(-8, 8, shape, generator=g).double().to(device())
@@ -58,21 +73,58 @@ def f_and_g(seed, shape):
     total = own.clone()
     dist.all_reduce(total)
     return [("f forward", y.detach(), replicated), ("f backward", a.grad, total),
-            ("g forward", z.detach(), total), ("g backward", b.grad, replicated)]
+            ("g forward", z.detach(), total), ("g backward", b.grad, replicated)], own, replicated
 
 
-@pytest.mark.exercise
+def f_and_g_mistake(world, checks, own, replicated) -> str | None:
+    """The classic mistake behind f's and g's results, read from them: each is a multiple of a known tensor."""
+    got = {what: ours for what, ours, _ in checks}
+    total = checks[2][2]
+
+    def equal(what, value):
+        return got[what] is not None and got[what].shape == value.shape and torch.equal(got[what], value)
+    if world < 2:
+        return None
+    swapped = []
+    if equal("f forward", world * replicated):
+        swapped.append(f"f's forward summed x over the ranks (its output is {world} x its input)")
+    if equal("g forward", own) and equal("g backward", world * replicated):
+        swapped.append("g's forward returned each rank's own x and its backward summed dy")
+    if swapped:
+        return mistake(MISTAKES, "forward and backward swapped", " and ".join(swapped))
+    if equal("f backward", own):
+        return mistake(MISTAKES, "f's backward does not reduce", "dx from f is each rank's own grad, not the sum "
+                       f"over the {world} ranks")
+    if equal("g backward", world * replicated):
+        return mistake(MISTAKES, "reduced twice", f"dx from g is {world} (T) times dL/dy: dy was summed over the "
+                       f"ranks again")
+    for what, where in (("g forward", "ReduceFromParallelRegion.forward"), ("f backward",
+                                                                         "CopyToParallelRegion.backward")):
+        if equal(what, total / world):
+            return mistake(MISTAKES, "an average for a sum", f"{what} is the mean over the {world} ranks, {world} "
+                           f"(T) times too small", where)
+    return None
+
+
+@pytest.mark.exercise(judges=("CopyToParallelRegion.backward", "ReduceFromParallelRegion.forward",
+                              "CopyToParallelRegion.forward", "ReduceFromParallelRegion.backward"))
 @given(world=st.integers(1, 5), shape=st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple),
        seed=st.integers(0, 100))
 def test_f_is_identity_then_all_reduce_and_g_is_all_reduce_then_identity(world, shape, seed):
-    for rank, checks in enumerate(run(world, f_and_g, seed, shape)):
+    """f: x as it is forward, dx summed over the ranks backward; g: the ranks' x summed forward, dy as it is backward
+
+    Small integers in fp64: every sum exact in any order, so every rank's outputs and gradients must equal the
+    one-process values exactly."""
+    for rank, (checks, own, replicated) in enumerate(run(world, f_and_g, seed, shape)):
         for what, ours, want in checks:
             assert ours is not None and ours.shape == want.shape, f"rank {rank} {what}: got {ours}, want shape " \
                                                                   f"{tuple(want.shape)}"
+        for what, ours, want in checks:
             off = (ours != want).reshape(-1).nonzero()
             i = off[0].item() if len(off) else None
+            found = f_and_g_mistake(world, checks, own, replicated) if i is not None else None
             assert i is None, f"rank {rank} {what} element {i}: got {ours.reshape(-1)[i].item():g}, want " \
-                              f"{want.reshape(-1)[i].item():g}"
+                              f"{want.reshape(-1)[i].item():g}" + (f"\n{found}" if found else "")
 
 
 def rows_round_trip(counts_seed, width):
