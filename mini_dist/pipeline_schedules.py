@@ -143,6 +143,15 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleave
                    "zero_bubble": "ScheduleInterleavedZeroBubble"}  # the reference each one mirrors
 
 
+def schedules_for(names, P: int, M: int, v: int) -> dict:
+    """The schedules a demo runs (v chunks for the interleaved one), or its configuration refused in one line."""
+    launch.require(M >= 1 and v >= 1, "--microbatches and --chunks must be at least 1")
+    try:
+        return {name: SCHEDULES[name](P, M, v if name == "interleaved" else 1) for name in names}
+    except ValueError as e:
+        raise launch.UsageError(e) from e
+
+
 # ----------------------------------------------------------------------------- demo
 
 def torch_ran(name: str, n_microbatches: int, n_chunks: int = 1, group=None) -> list[tuple]:
@@ -159,15 +168,6 @@ def computations(actions, width: int = 92) -> str:
     """A rank's computations in order, F0 F1 B0 ..., in lines of at most `width` characters."""
     labels = [label(a, any(b.chunk for b in actions)) for a in actions if a.op in COMPUTE]
     return "\n       | ".join(textwrap.wrap(" ".join(labels), width))
-
-
-def schedules_for(names, P: int, M: int, v: int) -> dict:
-    """The schedules a demo runs (v chunks for the interleaved one), or its configuration refused in one line."""
-    launch.require(M >= 1 and v >= 1, "--microbatches and --chunks must be at least 1")
-    try:
-        return {name: SCHEDULES[name](P, M, v if name == "interleaved" else 1) for name in names}
-    except ValueError as e:
-        raise launch.UsageError(e) from e
 
 
 def parser():

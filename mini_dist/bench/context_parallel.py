@@ -38,8 +38,11 @@ def _step(attention, full, causal=True, layout=ZIGZAG):
 def _one_process(full):
     """The whole attention on rank 0, as on one device; the other ranks wait at the timer's barrier."""
     whole = [t.clone().requires_grad_() for t in full[:3]]
-    step = lambda: F.scaled_dot_product_attention(*whole, is_causal=True).backward(full[3])
-    return step if dist.get_rank() == 0 else lambda: None
+
+    def step():
+        if dist.get_rank() == 0:
+            F.scaled_dot_product_attention(*whole, is_causal=True).backward(full[3])
+    return step
 
 
 def _torch_ring(full):

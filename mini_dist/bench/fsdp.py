@@ -14,14 +14,19 @@ from mini_dist.fsdp import FullyShardedDataParallel
 from mini_dist.kit import launch, measure
 from mini_dist.kit.models import Block, block_stack, fully_shard_blocks, regression_step
 
-WIDTH, DEPTH, BATCH, REPEATS = 512, 8, 16, 7
+WIDTH = 512
+DEPTH = 8
+BATCH = 16
+REPEATS = 7
 
 
 def fsdp(args) -> list[bench.Result]:
     dev = launch.device()
     g = torch.Generator().manual_seed(torch.distributed.get_rank())
     x, y = (torch.randn(BATCH, WIDTH, generator=g).to(dev) for _ in range(2))
-    stack = lambda: block_stack(WIDTH, 4 * WIDTH, DEPTH, torch.float32, dev)
+
+    def stack():
+        return block_stack(WIDTH, 4 * WIDTH, DEPTH, torch.float32, dev)
     models = {"prefetch": FullyShardedDataParallel(stack(), Block),
               "naive": FullyShardedDataParallel(stack(), Block, prefetch=False),
               "fully_shard": fully_shard_blocks(stack())}

@@ -101,9 +101,13 @@ def wrap(text: str, indent: str = "   ") -> str:
     return textwrap.fill(text, 112, initial_indent=indent, subsequent_indent=indent)
 
 
+def escape(text: str) -> str:
+    """Text as markdown shows it literally: no emphasis from * and _, no tags from <."""
+    return text.replace("*", r"\*").replace("_", r"\_").replace("<", "&lt;")
+
+
 def page(figures: dict) -> str:
     """The markdown page: every question in `figures` ({number: figure}) with its answer and command."""
-    escape = lambda s: s.replace("*", r"\*").replace("_", r"\_").replace("<", "&lt;")  # noqa: E731
     out = ["## Questions answered by measurement", "",
            "Each question below has a short answer and the figure that settles it, measured by the modules' own "
            f"functions when this page was printed (`./run.sh ask --markdown`, {RANKS} gloo ranks on the CPU); "
@@ -134,7 +138,9 @@ def demo(args) -> int:
         print("\n".join(f"{n:>3}. {q.question}" for n, q in QUESTIONS.items()))
         print(f"\n./run.sh ask N [N ...] measures the figure that answers question N ({RANKS} ranks where needed)")
         return 0
-    ranks, figures, failed = Ranks(), {}, []
+    ranks = Ranks()
+    figures = {}
+    failed = []
     atexit.register(ranks.stop)
     for i, n in enumerate(numbers, 1):
         q = QUESTIONS[n]
@@ -144,7 +150,8 @@ def demo(args) -> int:
             print(f"{n}. {q.question}\n{wrap(q.answer)}\n   shown in full by: {q.command}\n   measuring "
                   f"({'on ' + str(RANKS) + ' ranks' if q.ranks > 1 else 'in this process'}) ...", flush=True)
         figures[n], holds = ask(n, ranks)
-        failed += [n] * (not holds)
+        if not holds:
+            failed.append(n)
         if not args.markdown:
             print(f"{wrap(('measured: ' if holds else 'OFF: ') + figures[n])}\n", flush=True)
     ranks.stop()
