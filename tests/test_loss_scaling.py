@@ -175,6 +175,7 @@ def test_fp16_gradients_are_refused_as_grad_scaler_refuses_them():
     for scaler in (loss_scaling.DynamicLossScaler(), torch.amp.GradScaler(device().type)):
         p = torch.zeros(3, device=device(), dtype=torch.float16, requires_grad=True)
         p.grad = torch.ones_like(p)
+        scaler.scale(torch.ones((), device=device()))  # GradScaler makes its scale tensor here
         with pytest.raises(ValueError, match="(?i)fp16 gradients"):
             scaler.unscale_(torch.optim.SGD([p], lr=1.0))
 
