@@ -245,9 +245,10 @@ def demo(args) -> int:
     top = max(max(r["backward"]) for r in rows.values())
     timelines = "\n".join(f"  {n:<16}|{bars(r['backward'], top)}| peak {max(r['backward']) / 2**20:.2f} MiB"
                           for n, r in rows.items())
-    launch.print0(f"{L} layers b={args.batch} s={args.seq} h={args.hidden} a={args.heads} fp32: each keeps A = e(16sbh + 2as^2b) + 2sbh + as^2b + "
-                  f"4sbe = {A:,} B; a layer's input is I = e*sbh = {I:,} B\n{figure}\nactivation bytes alive "
-                  f"during backward (time ->), one scale for all:\n{timelines}")
+    shape = f"b={args.batch} s={args.seq} h={args.hidden} a={args.heads}"
+    launch.print0(f"{L} layers {shape} fp32: each keeps A = e(16sbh + 2as^2b) + 2sbh + as^2b + 4sbe = {A:,} B; "
+                  f"a layer's input is I = e*sbh = {I:,} B\n{figure}\nactivation bytes alive during backward "
+                  f"(time ->), one scale for all:\n{timelines}")
     exact = max(r["diff"] for r in rows.values()) == 0
     kept = rows[f"every {L // k} layers"]["saved"] / rows["none"]["saved"]
     return launch.conclude("activation_checkpoint", exact, "gradients bit-identical to none and torch",
