@@ -25,13 +25,15 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.utils import checkpoint as tc
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.kit import launch
-from mini_dist.kit.measure import bars, profile_step
+from mini_dist.kit.activations import (Strategy, each_layer, layer_bytes, no_checkpoint, profile_strategies,
+                                       require_stack, stack_flags, strategy_table, transformer_stack)
+from mini_dist.kit.measure import bars
 
 
 # ----- the textbook: forward without grad, keeping the input; backward recomputes, then backpropagates -----
@@ -42,7 +44,8 @@ class ReentrantCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, *inputs):
         # exercise: keep fn, the inputs (ctx.save_for_backward) and rng_state(inputs); return fn(*inputs)
-        ctx.fn, ctx.rng = fn, rng_state(inputs)
+        ctx.fn = fn
+        ctx.rng = rng_state(inputs)
         ctx.save_for_backward(*inputs)
         return fn(*inputs)  # a Function's forward runs without grad: nothing inside is saved
         # end exercise
@@ -93,6 +96,11 @@ class SaveForRecompute(torch.autograd.Function):
         return anchor.new_empty(0)
 
 
+def no_context(kept):
+    """What full checkpointing enters around a segment: nothing, it keeps no tensor but the inputs."""
+    return contextlib.nullcontext()
+
+
 class Checkpoint:
     """One checkpointed call of fn. Forward: fn runs with a number saved in place of every tensor it
     saves; what stays are the tensors among its arguments (and what `context` keeps), in SaveForRecompute.
@@ -101,16 +109,21 @@ class Checkpoint:
     keep, in the recomputation an iterator over them (selective checkpointing, selective_checkpoint.py)."""
 
     def __init__(self, fn, context=None):
-        self.fn, self.count, self.recomputed = fn, 0, []
-        self.context = context or (lambda kept: contextlib.nullcontext())
+        self.fn = fn
+        self.context = context or no_context
+        self.count = 0         # tensors fn saved in forward, each replaced by its number
+        self.recomputed = []   # by number: the recomputation's tensors, None once backward has used one
 
     def forward(self, args, kwargs):
         values = [*args, *kwargs.values()]
-        self.n_args, self.names = len(args), list(kwargs)
+        self.n_args = len(args)
+        self.names = list(kwargs)
         self.is_tensor = [isinstance(v, torch.Tensor) for v in values]
         self.others = [None if t else v for v, t in zip(values, self.is_tensor)]  # tensors go to autograd
-        inputs, kept = [v for v, t in zip(values, self.is_tensor) if t], []
-        self.rng, self.n_inputs = rng_state(inputs), len(inputs)
+        inputs = [v for v, t in zip(values, self.is_tensor) if t]
+        kept = []
+        self.rng = rng_state(inputs)
+        self.n_inputs = len(inputs)
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), self.context(kept):
             out = self.fn(*args, **kwargs)
         anchor = torch.empty(0, requires_grad=True)  # cpu: holds no data, only gives SaveForRecompute a node
@@ -126,18 +139,22 @@ class Checkpoint:
         """Backward: the first unpack recomputes the segment (again under retain_graph's next backward)."""
         if number >= len(self.recomputed) or self.recomputed[number] is None:
             self.recompute()
-        tensor, self.recomputed[number] = self.recomputed[number], None  # freed once its node is done
+        tensor = self.recomputed[number]
+        self.recomputed[number] = None  # freed once its node is done
         return tensor
 
     def recompute(self) -> None:
+        """Rerun fn on the kept inputs with forward's RNG state, keeping every tensor it saves, in order."""
         saved = self.saved.grad_fn.saved_tensors
         inputs = iter([x.detach().requires_grad_(x.requires_grad) for x in saved[:self.n_inputs]])
         values = [next(inputs) if t else v for v, t in zip(self.others, self.is_tensor)]
+        args = values[:self.n_args]
+        kwargs = dict(zip(self.names, values[self.n_args:]))
         self.recomputed = []
         capture = torch.autograd.graph.saved_tensors_hooks(lambda t: self.recomputed.append(t.detach()),
-                                                           lambda nothing: nothing)
+                                                           lambda nothing: nothing)  # this graph is never used
         with replayed_rng(self.rng), torch.enable_grad(), capture, self.context(iter(saved[self.n_inputs:])):
-            self.fn(*values[:self.n_args], **dict(zip(self.names, values[self.n_args:])))
+            self.fn(*args, **kwargs)
         if len(self.recomputed) != self.count:
             raise RuntimeError(f"a checkpointed segment saved {self.count} tensors in forward and "
                                f"{len(self.recomputed)} when recomputed: it must compute the same thing "
@@ -180,118 +197,62 @@ def checkpoint_module(module: nn.Module, context=None) -> nn.Module:
     return module
 
 
-# ----- demo: a tiny transformer, each strategy measured beside its formula and against torch -----
-
-class TransformerLayer(nn.Module):
-    """A pre-norm GPT layer written op by op, so that what it saves is Korthikanti et al.'s count (their
-    Section 4.1): e(16sbh + 2as^2b) + 2sbh + as^2b bytes, plus the layer norms' mean and 1/std."""
-
-    def __init__(self, hidden, heads, dropout=0.1, dtype=None, device=None):
-        super().__init__()
-        self.heads, self.p, h = heads, dropout, hidden
-        norm, linear = (functools.partial(m, dtype=dtype, device=device) for m in (nn.LayerNorm, nn.Linear))
-        self.ln1, self.qkv, self.proj = norm(h), linear(h, 3 * h), linear(h, h)
-        self.ln2, self.fc1, self.fc2 = norm(h), linear(h, 4 * h), linear(4 * h, h)
-
-    def drop(self, x):  # native_dropout keeps a 1-byte mask on any device (F.dropout on the CPU: e bytes)
-        return torch.native_dropout(x, self.p, True)[0]
-
-    def forward(self, x):                                                                  # [b, s, h]
-        q, k, v = self.qkv(self.ln1(x)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)  # [b, a, s, d]
-        attn = self.drop((q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1))  # [b, a, s, s]
-        x = x + self.drop(self.proj((attn @ v).transpose(1, 2).flatten(2)))               # [b, s, h]
-        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+# ----------------------------------------------------------------------------- demo
 
 
-def layer_bytes(b: int, s: int, h: int, a: int, e: int = 4) -> tuple[int, int]:
-    """(A, I): the bytes a TransformerLayer keeps for backward (with its norms' 4sb statistics), its input's."""
-    return e * (16 * s * b * h + 2 * a * s * s * b) + 2 * s * b * h + a * s * s * b + 4 * s * b * e, e * s * b * h
-
-
-def each_layer(ckpt):
-    """run(model, x) with every layer of the model checkpointed by ckpt(layer, x)."""
-    return lambda model, x: run_layers([functools.partial(ckpt, layer) for layer in model], x)
-
-
-def strategies(L: int, k: int, s: int, h: int) -> list:
-    """(name, ours, torch's, kept bytes after forward as a function of A and I, FLOPs over none): a
-    recomputed layer adds its forward to F + 2F."""
-    from torch.utils import checkpoint as tc
+def strategies(L: int, k: int, A: int, I: int) -> list[Strategy]:
+    """None, every layer, and checkpoint_sequential's k segments of n = L // k layers, each beside torch's and
+    its formulas: bytes kept after forward, FLOPs over none (a recomputed layer adds 1/3: its F to F + 2F)."""
     n = L // k
-    return [("none", lambda m, x: m(x), lambda m, x: m(x), lambda A, I: L * A, 1),
-            ("every layer", each_layer(checkpoint), each_layer(functools.partial(tc.checkpoint, use_reentrant=False)),
-             lambda A, I: L * I, 4 / 3),
-            (f"every {n} layers", lambda m, x: checkpoint_sequential(m, k, x),
-             lambda m, x: tc.checkpoint_sequential(m, k, x, use_reentrant=False),
-             lambda A, I: (k - 1) * I + (L - (k - 1) * n) * A, 1 + (k - 1) * n / (3 * L))]
+    torchs = functools.partial(tc.checkpoint, use_reentrant=False)
+    return [Strategy("none", no_checkpoint, no_checkpoint, L * A, 1),
+            Strategy("every layer", each_layer(checkpoint), each_layer(torchs), L * I, 4 / 3),
+            Strategy(f"every {n} layers", lambda m, x: checkpoint_sequential(m, k, x),
+                     lambda m, x: tc.checkpoint_sequential(m, k, x, use_reentrant=False),
+                     (k - 1) * I + (L - (k - 1) * n) * A, 1 + (k - 1) * n / (3 * L))]
 
 
-def measure_strategies(layers, segments, batch, seq, hidden, heads, dropout=0.1, seed=0, chosen=strategies) -> dict:
-    """name -> profile_step's figures for each of chosen(...)'s strategies (and forward runs per layer), with
-    its formulas and the largest |difference| of its gradients from none's and from torch's."""
-    torch.manual_seed(seed)
-    model = nn.Sequential(*[TransformerLayer(hidden, heads, dropout, device=launch.device()) for _ in range(layers)])
-    x, dy = (torch.randn(batch, seq, hidden, device=launch.device()) for _ in range(2))  # x needs no gradient
-    calls = []
-    [layer.register_forward_pre_hook(lambda *_: calls.append(1)) for layer in model]
-
-    def measure(run) -> dict:
-        calls.clear(), model.zero_grad(), torch.manual_seed(seed)  # the same dropout masks for every strategy
-        step = profile_step(lambda: run(model, x), lambda out: out.backward(dy), exclude=model.parameters())
-        return dict(step, calls=len(calls) / layers, grads=[p.grad.clone() for p in model.parameters()])
-    rows, (A, I) = {}, layer_bytes(batch, seq, hidden, heads)
-    for name, ours, native, kept, more in chosen(layers, segments, seq, hidden):
-        rows[name] = got = measure(ours)
-        refs = [rows["none"]["grads"], measure(native)["grads"]]
-        diff = max((p - q).abs().max().item() for ref in refs for p, q in zip(got["grads"], ref))
-        got.update(kept=kept(A, I), more=more, ratio=got["flops"] / rows["none"]["flops"], diff=diff)
-    return rows
+def measure(layers, segments, batch, seq, hidden, heads, dropout=0.1, seed=0) -> dict:
+    """Each strategy's step on a stack of TransformerLayers: kit.activations.profile_strategies' rows."""
+    model, x, dy = transformer_stack(layers, batch, seq, hidden, heads, dropout, seed)
+    A, I = layer_bytes(batch, seq, hidden, heads)
+    return profile_strategies(model, x, dy, strategies(layers, segments, A, I), seed)
 
 
 def memory_and_compute(rows=None) -> tuple[str, bool]:
-    """Question 18, and the demo's table: per strategy, the bytes kept after forward and alive at backward's
-    peak, forward runs per layer and FLOPs over none, beside the formulas; holds when each equals its formula
-    and every gradient is bit-identical to none's and torch's. rows: measure_strategies(...), 4 layers, k=2."""
-    rows = rows or measure_strategies(layers=4, segments=2, batch=1, seq=16, hidden=16, heads=2)
-    same = {n: r["saved"] == r["kept"] and math.isclose(r["ratio"], r["more"], rel_tol=1e-12) for n, r in rows.items()}
-    return "bytes on this rank, kept after forward and alive at backward's peak; compute over none:\n" + ";\n".join(
-        f"  {n:<16} kept {r['saved']:>11,} B {'=' if same[n] else '!='} formula {r['kept']:>11,} B, peak "
-        f"{max(r['backward']):>11,} B, forward x{r['calls']:<4.3g} FLOPs x{r['ratio']:.3f} (formula "
-        f"x{r['more']:.3f}), gradients' max |diff| {r['diff']:.0e}" for n, r in rows.items()), \
-        all(same.values()) and all(r["diff"] == 0 for r in rows.values())
+    """Question 18, and the demo's table: per strategy, bytes kept and at backward's peak, forward runs and
+    FLOPs, beside the formulas; holds when each equals its formula and every gradient is bit-identical to
+    none's and torch's. rows: measure(...); by default 4 layers in 2 segments."""
+    return strategy_table(rows or measure(layers=4, segments=2, batch=1, seq=16, hidden=16, heads=2))
 
 
-def parser(doc: str = __doc__, layers: int = 16, segments: bool = True):
-    """The tiny transformer's flags, shared with selective_checkpoint's demo."""
-    p = launch.demo_parser(doc)
-    flags = [("layers", layers, "L, transformer layers"), ("batch", 2, "b, sequences")]
-    flags += [("segments", 0, "k for checkpoint_sequential (0: round(sqrt(L)))")] if segments else []
-    for flag, default, text in flags + [("seq", 64, "s, tokens"), ("hidden", 64, "h"), ("heads", 4, "a"),
-                                        ("seed", 0, ""), ("dropout", 0.1, "dropout probability (masks are recomputed)")]:
-        p.add_argument(f"--{flag}", type=type(default), default=default, help=text)
+def parser():
+    p = launch.demo_parser(__doc__)
+    stack_flags(p, layers=16)
+    p.add_argument("--segments", type=int, default=0, help="k for checkpoint_sequential (0: round(sqrt(L)))")
     return p
 
 
 def demo(args) -> int:
-    L, b, s, h, a = args.layers, args.batch, args.seq, args.hidden, args.heads
+    L = args.layers
     k = args.segments or max(1, round(math.sqrt(L)))
-    for ok, message in [(min(L, b, s, h, a) >= 1, "--layers, --batch, --seq, --hidden and --heads must be >= 1"),
-                        (1 <= k <= L, f"--segments must lie between 1 and --layers ({L}), got {k}"),
-                        (a < 1 or h % a == 0, f"--heads ({a}) must divide --hidden ({h})"),
-                        (0 <= args.dropout < 1, f"--dropout must lie in [0, 1), got {args.dropout}")]:
-        launch.require(ok, message)
+    require_stack(args)
+    launch.require(1 <= k <= L, f"--segments must lie between 1 and --layers ({L}), got {k}")
     env = launch.setup(seed=args.seed)
-    rows = measure_strategies(L, k, b, s, h, a, args.dropout, args.seed + env.rank)
-    (A, I), (figure, holds) = layer_bytes(b, s, h, a), memory_and_compute(rows)
-    top, worst = max(max(r["backward"]) for r in rows.values()), max(r["diff"] for r in rows.values())
-    launch.print0(f"{L} layers b={b} s={s} h={h} a={a} fp32: each keeps A = e(16sbh + 2as^2b) + 2sbh + as^2b + "
-                  f"4sbe = {A:,} B; a layer's input is I = e*sbh = {I:,} B\n{figure}\nactivation bytes alive "
-                  "during backward (time ->), one scale for all:\n" + "\n".join(
-                      f"  {n:<16}|{bars(r['backward'], top)}| peak {max(r['backward']) / 2**20:.2f} MiB"
-                      for n, r in rows.items()))
-    return launch.conclude("activation_checkpoint", worst == 0, "gradients bit-identical to none and torch",
-                           holds, f"kept bytes and FLOPs = formulas; k={k} keeps "
-                           f"{rows[f'every {L // k} layers']['saved'] / rows['none']['saved']:.0%} of none")
+    rows = measure(L, k, args.batch, args.seq, args.hidden, args.heads, args.dropout, args.seed + env.rank)
+    A, I = layer_bytes(args.batch, args.seq, args.hidden, args.heads)
+    figure, holds = memory_and_compute(rows)
+    top = max(max(r["backward"]) for r in rows.values())
+    timelines = "\n".join(f"  {n:<16}|{bars(r['backward'], top)}| peak {max(r['backward']) / 2**20:.2f} MiB"
+                          for n, r in rows.items())
+    shape = f"b={args.batch} s={args.seq} h={args.hidden} a={args.heads}"
+    launch.print0(f"{L} layers {shape} fp32: each keeps A = e(16sbh + 2as^2b) + 2sbh + as^2b + 4sbe = {A:,} B; "
+                  f"a layer's input is I = e*sbh = {I:,} B\n{figure}\nactivation bytes alive during backward "
+                  f"(time ->), one scale for all:\n{timelines}")
+    exact = max(r["diff"] for r in rows.values()) == 0
+    kept = rows[f"every {L // k} layers"]["saved"] / rows["none"]["saved"]
+    return launch.conclude("activation_checkpoint", exact, "gradients bit-identical to none and torch",
+                           holds, f"kept bytes and FLOPs = formulas; k={k} keeps {kept:.0%} of none")
 
 
 if __name__ == "__main__":

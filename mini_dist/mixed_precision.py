@@ -21,9 +21,10 @@ step, and tiny updates accumulate in fp32 until they cross a rounding boundary. 
     loss -> scale(loss).backward() [half grads, times S] -> grads_to_master() [fp32] -> step
          [divides by S in fp32, skips on inf/NaN] -> update() [S] -> master_to_model() [round to half]
 
-The loss scaler, agreed across ranks, is mini_dist/loss_scaling.py. This demo prints the formats' bits,
-each failure beside its fix, and a regression trained in fp32, fp16 and bf16 with and without master
-weights, the master-weight path checked bit for bit with torch.amp.GradScaler in place of our scaler:
+The loss scaler is mini_dist/loss_scaling.py (agreed across ranks: sharded_loss_scaling.py). The demo prints
+the formats' bits, each failure beside its fix, and a regression trained in fp32, fp16 and bf16 with and
+without master weights, the master-weight path checked bit for bit with torch.amp.GradScaler in place of our
+scaler:
 
     torchrun --standalone --nproc_per_node=1 mini_dist/mixed_precision.py [--lr 2e-3]
 
@@ -41,6 +42,28 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
 from mini_dist.kit import launch
 from mini_dist.loss_scaling import DynamicLossScaler
 
+
+# ----- the three ways half precision loses, each as one computation -----
+
+def overflow(dtype) -> torch.Tensor:
+    """300*300 - 300*300: in fp16, 90000 > 65504 rounds to inf, and inf - inf = NaN."""
+    x = torch.tensor(300.0, dtype=dtype, device=launch.device())
+    return x * x - x * x
+
+
+def underflow(dtype) -> torch.Tensor:
+    """1e-4 * 1e-4 = 1e-8: in fp16, below its smallest subnormal (6e-8), it is 0."""
+    x = torch.tensor(1e-4, dtype=dtype, device=launch.device())
+    return x * x
+
+
+def lost_update(dtype) -> torch.Tensor:
+    """1 + 1e-4: in fp16 and bf16, under half the spacing at 1.0, the sum rounds back to 1."""
+    one = torch.tensor(1.0, dtype=dtype, device=launch.device())
+    return one + torch.tensor(1e-4, dtype=dtype, device=launch.device())
+
+
+# ----- the fix for the third: fp32 master weights -----
 
 class MasterWeights:
     """fp32 copies of a half model's parameters: give `.params` to the optimizer.
@@ -109,25 +132,38 @@ def update_to_spacing(dtype, lr: float = 2e-3, seed: int = 0) -> float:
     return (lr * w.grad.float().abs() / (spacing.float() / 2)).max().item()
 
 
+# ----- naive half weights beside master weights: which runs stall, and why -----
+
+RUNS = [("fp32", torch.float32, False), ("fp16+master", torch.float16, True), ("fp16", torch.float16, False),
+        ("bf16+master", torch.bfloat16, True), ("bf16", torch.bfloat16, False)]  # name, dtype, master weights
+
+
 def master_weights_vs_half(steps: int = 200, lr: float = 2e-3) -> tuple[str, bool]:
     """Question 20, and the demo's regression: SGD in fp32, and in fp16 and bf16 with and without fp32 master
     weights. Holds when each half run without them stalls exactly where its update is under half the spacing
     (update_to_spacing < 1), and fp16 with master weights ends no farther from fp32 than it started."""
-    runs = {name: train_regression(dtype, master, steps, lr)[0] for name, dtype, master in [
-        ("fp32", torch.float32, False), ("fp16+master", torch.float16, True), ("fp16", torch.float16, False),
-        ("bf16+master", torch.bfloat16, True), ("bf16", torch.bfloat16, False)]}
-    ratio = {name: update_to_spacing(dtype, lr) for name, dtype in [("fp16", torch.float16), ("bf16", torch.bfloat16)]}
-    f32, m16 = runs["fp32"], runs["fp16+master"]
-    holds = abs(m16[-1] - f32[-1]) <= abs(m16[0] - f32[0]) and all(
-        (runs[name][-1] == runs[name][0]) == (r < 1) for name, r in ratio.items())
-    return (f"least squares, weights in [1, 2), SGD lr {lr:g}: max |lr*g| / (spacing(w)/2) at the start is fp16 "
-            f"{ratio['fp16']:.2f}, bf16 {ratio['bf16']:.2f} (< 1: the update rounds away); loss over {steps} steps: "
-            + ", ".join(f"{n} {v[0]:.5f} -> {v[-1]:.5f}" for n, v in runs.items())), holds
+    runs = {}
+    for name, dtype, master in RUNS:
+        runs[name], _ = train_regression(dtype, master, steps, lr)
+    ratio = {"fp16": update_to_spacing(torch.float16, lr), "bf16": update_to_spacing(torch.bfloat16, lr)}
+    fp32 = runs["fp32"]
+    fp16_master = runs["fp16+master"]
+    follows = abs(fp16_master[-1] - fp32[-1]) <= abs(fp16_master[0] - fp32[0])
+    stalls = all((runs[name][-1] == runs[name][0]) == (r < 1) for name, r in ratio.items())
+    losses = ", ".join(f"{name} {loss[0]:.5f} -> {loss[-1]:.5f}" for name, loss in runs.items())
+    figure = (f"least squares, weights in [1, 2), SGD lr {lr:g}: max |lr*g| / (spacing(w)/2) at the start is fp16 "
+              f"{ratio['fp16']:.2f}, bf16 {ratio['bf16']:.2f} (< 1: the update rounds away); loss over {steps} steps: "
+              f"{losses}")
+    return figure, follows and stalls
 
 
-# ----- demo -----
+# ----------------------------------------------------------------------------- demo
+
 
 FORMATS = [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]
+FAILURES = [("overflow  300*300 - 300*300", overflow, "lower S, or bf16"),
+            ("underflow 1e-4 * 1e-4      ", underflow, "loss scaling, or bf16"),
+            ("spacing   1 + 1e-4         ", lost_update, "fp32 master weights")]
 
 
 def bits(x: float, dtype: torch.dtype) -> str:
@@ -151,23 +187,20 @@ def demo(args) -> int:
     env = launch.setup()
     say = launch.print0
     say("format  max / smallest normal, as sign|exponent|mantissa bits")
-    for name, dt in FORMATS:
-        info = torch.finfo(dt)
-        say(f"{name:5} max {info.max:<12.6g}= {bits(info.max, dt)}\n"
-            f"{'':5} min {info.smallest_normal:<12.6g}= {bits(info.smallest_normal, dt)}")
-    for what, f, fix in [
-            ("overflow  300*300 - 300*300", lambda t: t(300) * t(300) - t(300) * t(300), "lower S, or bf16"),
-            ("underflow 1e-4 * 1e-4      ", lambda t: t(1e-4) * t(1e-4), "loss scaling, or bf16"),
-            ("spacing   1 + 1e-4         ", lambda t: t(1) + t(1e-4), "fp32 master weights")]:
-        say(f"{what}: " + "".join(f"{name} {f(lambda v: torch.tensor(v, dtype=dt, device=env.device)).item():<12.6g}"
-                                  for name, dt in FORMATS) + f"fix: {fix}")
+    for name, dtype in FORMATS:
+        info = torch.finfo(dtype)
+        say(f"{name:5} max {info.max:<12.6g}= {bits(info.max, dtype)}\n"
+            f"{'':5} min {info.smallest_normal:<12.6g}= {bits(info.smallest_normal, dtype)}")
+    for what, failure, fix in FAILURES:
+        values = "".join(f"{name} {failure(dtype).item():<12.6g}" for name, dtype in FORMATS)
+        say(f"{what}: {values}fix: {fix}")
     figure, follows = master_weights_vs_half(args.steps, args.lr)
     same = True  # the master-weight runs with our scaler, then with torch.amp.GradScaler as the loss scaler
-    for name, dt in FORMATS[1:]:
-        ours = train_regression(dt, True, args.steps, args.lr)
-        native = train_regression(dt, True, args.steps, args.lr,
+    for name, dtype in FORMATS[1:]:
+        ours = train_regression(dtype, True, args.steps, args.lr)
+        native = train_regression(dtype, True, args.steps, args.lr,
                                   scaler=torch.amp.GradScaler(env.device.type, init_scale=2.0**10))
-        same &= ours[0] == native[0] and torch.equal(ours[1], native[1])
+        same = same and ours[0] == native[0] and torch.equal(ours[1], native[1])
     say(f"{figure}\nmaster weights with torch.amp.GradScaler instead of DynamicLossScaler: bit-identical: {same}")
     return launch.conclude("mixed_precision", same, "master weights + our scaler = + GradScaler, bit-exact",
                            follows, "fp16+master follows fp32; fp16 and bf16 alone stall where |lr*g| < spacing/2")

@@ -24,13 +24,15 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils import checkpoint as tc
 from torch.utils._python_dispatch import TorchDispatchMode
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist import activation_checkpoint
-from mini_dist.activation_checkpoint import checkpoint, each_layer, memory_and_compute
+from mini_dist.activation_checkpoint import checkpoint
 from mini_dist.kit import launch
+from mini_dist.kit.activations import (Strategy, each_layer, layer_bytes, no_checkpoint, profile_strategies,
+                                       require_stack, stack_flags, strategy_table, transformer_stack)
 
 MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default]  # nn.Linear's, not attention's bmm
 
@@ -46,7 +48,8 @@ class Selective(TorchDispatchMode):
 
     def __init__(self, policy, kept):
         super().__init__()
-        self.policy, self.kept = policy, kept
+        self.policy = policy
+        self.kept = kept
 
     def __torch_dispatch__(self, op, types, args=(), kwargs=None):
         if self.policy(op) and not isinstance(self.kept, list):
@@ -63,35 +66,42 @@ def selective_checkpoint(fn, *args, policy=keep_matmuls, **kwargs):
     return checkpoint(fn, *args, context=functools.partial(Selective, policy), **kwargs)
 
 
-# ----- demo: none, every layer and selective on a tiny transformer, beside their formulas and torch -----
+# ----------------------------------------------------------------------------- demo
 
-def strategies(L: int, k: int, s: int, h: int) -> list:
-    """activation_checkpoint.strategies' none and every layer, then selective (see the docstring)."""
-    from torch.utils import checkpoint as tc
-    sac = functools.partial(tc.create_selective_checkpoint_contexts, MATMULS)
-    return activation_checkpoint.strategies(L, k, s, h)[:2] + [
-        ("selective", each_layer(selective_checkpoint),
-         each_layer(functools.partial(tc.checkpoint, use_reentrant=False, context_fn=sac)),
-         lambda A, I: 10 * L * I, 1 + s / (3 * (6 * h + s)))]
+
+def strategies(L: int, s: int, h: int, A: int, I: int) -> list[Strategy]:
+    """None, every layer, and selective, each beside torch's and its formulas (see the docstring)."""
+    torchs = functools.partial(tc.checkpoint, use_reentrant=False)
+    context = functools.partial(tc.create_selective_checkpoint_contexts, MATMULS)
+    torchs_selective = functools.partial(tc.checkpoint, use_reentrant=False, context_fn=context)
+    return [Strategy("none", no_checkpoint, no_checkpoint, L * A, 1),
+            Strategy("every layer", each_layer(checkpoint), each_layer(torchs), L * I, 4 / 3),
+            Strategy("selective", each_layer(selective_checkpoint), each_layer(torchs_selective), 10 * L * I,
+                     1 + s / (3 * (6 * h + s)))]
 
 
 def parser():
-    return activation_checkpoint.parser(__doc__, layers=8, segments=False)
+    p = launch.demo_parser(__doc__)
+    stack_flags(p, layers=8)
+    return p
 
 
 def demo(args) -> int:
-    L, b, s, h, a = args.layers, args.batch, args.seq, args.hidden, args.heads
-    launch.require(min(L, b, s, h, a) >= 1, "--layers, --batch, --seq, --hidden and --heads must be >= 1")
-    launch.require(h % a == 0, f"--heads ({a}) must divide --hidden ({h})")
-    launch.require(0 <= args.dropout < 1, f"--dropout must lie in [0, 1), got {args.dropout}")
+    require_stack(args)
     env = launch.setup(seed=args.seed)
-    rows = activation_checkpoint.measure_strategies(L, 1, b, s, h, a, args.dropout, args.seed + env.rank,
-                                                    chosen=strategies)
-    (A, I), (figure, holds) = activation_checkpoint.layer_bytes(b, s, h, a), memory_and_compute(rows)
-    worst, none, sel = max(r["diff"] for r in rows.values()), rows["none"], rows["selective"]
-    launch.print0(f"{L} layers b={b} s={s} h={h} a={a} fp32: a layer keeps A = {A:,} B without checkpointing, "
-                  f"its input is I = {I:,} B, selective keeps 10*I = {10 * I:,} B\n{figure}")
-    return launch.conclude("selective_checkpoint", worst == 0, "gradients bit-identical to none and torch's",
+    L = args.layers
+    seed = args.seed + env.rank
+    model, x, dy = transformer_stack(L, args.batch, args.seq, args.hidden, args.heads, args.dropout, seed)
+    A, I = layer_bytes(args.batch, args.seq, args.hidden, args.heads)
+    rows = profile_strategies(model, x, dy, strategies(L, args.seq, args.hidden, A, I), seed)
+    figure, holds = strategy_table(rows)
+    exact = max(r["diff"] for r in rows.values()) == 0
+    none = rows["none"]
+    sel = rows["selective"]
+    launch.print0(f"{L} layers b={args.batch} s={args.seq} h={args.hidden} a={args.heads} fp32: a layer keeps "
+                  f"A = {A:,} B without checkpointing, its input is I = {I:,} B, selective keeps 10*I = {10 * I:,} B"
+                  f"\n{figure}")
+    return launch.conclude("selective_checkpoint", exact, "gradients bit-identical to none and torch's",
                            holds, f"kept bytes and FLOPs = formulas; selective keeps "
                            f"{sel['saved'] / none['saved']:.0%} of none for {sel['ratio']:.3f}x the FLOPs")
 

@@ -29,8 +29,9 @@ from torch.utils import checkpoint as tc
 
 from harness import device, rank_generator, run, subgroup
 from mini_dist import activation_checkpoint as ac
-from mini_dist.activation_checkpoint import TransformerLayer, checkpoint, checkpoint_module, checkpoint_sequential
+from mini_dist.activation_checkpoint import checkpoint, checkpoint_module, checkpoint_sequential
 from mini_dist.kit import launch
+from mini_dist.kit.activations import TransformerLayer
 from mini_dist.kit.measure import SavedTensors, profile_step
 
 

@@ -61,6 +61,7 @@ BAD = {
     "ring_allreduce": (2, ["--numel", "-1"], "--numel"),
     "ring_pipelined": (2, ["--numel", "3"], "--numel"),
     "selective_checkpoint": (1, ["--heads", "3"], "--heads"),
+    "sharded_loss_scaling": (2, ["--growth-interval", "0"], "--growth-interval"),
     "sequence_layout": (5, [], "--seq"),
     "sharded_state": (2, ["--steps", "0"], "steps"),
     "tensor_parallel": (3, ["--hidden", "8"], "--hidden"),

@@ -373,7 +373,8 @@ def test_pipeline_bytes_per_stage_equal_the_stats_of_pipeline_py(P, M, h, name):
 def kept_for_backward(layers, b, s, heads, head_dim, precision, seed):
     """L of activation_checkpoint's transformer layers (which save exactly Korthikanti's tensors), plain
     and each layer checkpointed: bytes kept after forward, and the peak alive during backward."""
-    from mini_dist.activation_checkpoint import TransformerLayer, checkpoint, run_layers
+    from mini_dist.activation_checkpoint import checkpoint, run_layers
+    from mini_dist.kit.activations import TransformerLayer
     from mini_dist.kit.measure import profile_step
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     torch.manual_seed(seed)

@@ -17,7 +17,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from harness import device
 from mini_dist import selective_checkpoint as sc
-from mini_dist.activation_checkpoint import TransformerLayer, checkpoint
+from mini_dist.activation_checkpoint import checkpoint
+from mini_dist.kit.activations import TransformerLayer
 from mini_dist.kit.measure import SavedTensors, profile_step
 from test_activation_checkpoint import CASES, demo, each, identical, inputs, mlp, step
 

@@ -5,6 +5,7 @@
              ledger that messages and collectives are counted in
     debug    ranks that disagree (named before the collective runs) or vanish (named by their peers)
     measure  bytes saved for backward, activations alive over a step, a step's peak
+    activations  a transformer layer that saves Korthikanti's count; checkpointing strategies measured side by side
     timing   wall-clock time of a distributed call, slowest rank, with its noise
     models   the toy models and training steps that demos, tests and benchmarks share
     references  a concept beside PyTorch or one process: attention vs SDPA, a pipeline step vs one process,

@@ -77,16 +77,28 @@ class PeakSaved:
     `parameters()` gives the parameter storages' addresses at that moment."""
 
     def __init__(self, parameters):
-        self.parameters, self.held, self.peak = parameters, {}, 0  # storage address -> (bytes, handles)
+        self.parameters = parameters
+        self.held = {}  # storage address -> (bytes, weak references to the Saved handles of its tensors)
+        self.peak = 0
 
     def pack(self, t):
-        saved, storage = Saved(t), t.untyped_storage()
+        saved = Saved(t)
+        storage = t.untyped_storage()
         if storage.data_ptr() not in self.parameters():
-            self.held = {p: (n, live) for p, (n, refs) in self.held.items() if (live := [r for r in refs if r()])}
+            self.forget_freed()
             n, refs = self.held.get(storage.data_ptr(), (storage.nbytes(), []))
             self.held[storage.data_ptr()] = (n, refs + [weakref.ref(saved)])
             self.peak = max(self.peak, sum(n for n, _ in self.held.values()))
         return saved
+
+    def forget_freed(self) -> None:
+        """Drop the handles autograd has let go of, and the storages no graph holds any more."""
+        held = {}
+        for ptr, (n, refs) in self.held.items():
+            live = [r for r in refs if r() is not None]
+            if live:
+                held[ptr] = (n, live)
+        self.held = held
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda saved: saved.tensor)
@@ -184,11 +196,15 @@ def peak_bytes(step, device) -> int:
         step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    base, peak, done = heap_bytes(), [0], threading.Event()
+    base = heap_bytes()
+    peak = base
+    done = threading.Event()
 
     def sample():
+        """Every 0.1 ms until the step is done: the most heap bytes in use so far."""
+        nonlocal peak
         while not done.is_set():
-            peak[0] = max(peak[0], heap_bytes())
+            peak = max(peak, heap_bytes())
             time.sleep(1e-4)
     sampler = threading.Thread(target=sample)
     sampler.start()
@@ -197,7 +213,7 @@ def peak_bytes(step, device) -> int:
     finally:
         done.set()
         sampler.join()
-    return max(0, peak[0] - base)
+    return max(0, peak - base)
 
 
 # ----- demo: what an MLP keeps for backward, measured, beside what it should keep -----
@@ -211,26 +227,30 @@ def parser():
 
 
 def demo(args) -> int:
-    L, w, b = args.layers, args.width, args.batch
+    L = args.layers
+    w = args.width
+    b = args.batch
     launch.require(min(L, w, b) >= 1, "--layers, --width and --batch must be at least 1")
     env = launch.setup()
-    model = torch.nn.Sequential(*[m for _ in range(L) for m in (torch.nn.Linear(w, w), torch.nn.Tanh())])
-    model = model.to(env.device)
+    layers = [m for _ in range(L) for m in (torch.nn.Linear(w, w, device=env.device), torch.nn.Tanh())]
+    model = torch.nn.Sequential(*layers)
     x = torch.randn(b, w, device=env.device)  # data: needs no gradient, but the first Linear keeps it
     step = profile_step(lambda: model(x), lambda out: out.sum().backward(), exclude=model.parameters())
+    alive = step["backward"]
     # each Linear keeps its input (for dW = dy^T x), each Tanh its output (dtanh = 1 - t^2); the Tanh output
     # is the next Linear's input, one storage: x + L outputs = (L + 1) * b * w * 4 bytes
     formula = (L + 1) * b * w * 4
     heap = peak_bytes(lambda: model(x).sum().backward(), env.device)
     allocator = "CUDA allocator" if env.device.type == "cuda" else "glibc, sampled"
+    flops = (6 * L - 2) * b * w * w  # forward 2bw^2 a layer, backward 4bw^2 but the first layer's dx
     launch.print0(f"{L} x (Linear({w}, {w}) + Tanh), batch {b}, fp32, bytes on this rank: saved for backward "
-                  f"{step['saved']:,} B, formula (L+1)*b*w*4 = {formula:,} B\nactivation bytes alive during backward "
-                  f"(max {max(step['backward']):,} B): {bars(step['backward'], max(step['backward']))}\n"
-                  f"heap peak of a step above its start ({allocator}): {heap:,} B\nmatmul FLOPs {step['flops']:,} = "
-                  f"(6L-2)bw^2 = {(6 * L - 2) * b * w * w:,} (forward 2bw^2 a layer, backward 4bw^2 but for the first "
-                  "layer's dx: x needs no gradient)")
+                  f"{step['saved']:,} B, formula (L+1)*b*w*4 = {formula:,} B\n"
+                  f"activation bytes alive during backward (max {max(alive):,} B): {bars(alive, max(alive))}\n"
+                  f"heap peak of a step above its start ({allocator}): {heap:,} B\n"
+                  f"matmul FLOPs {step['flops']:,} = (6L-2)bw^2 = {flops:,} (forward 2bw^2 a layer, backward 4bw^2 "
+                  "but for the first layer's dx: x needs no gradient)")
     return launch.conclude("measure", step["saved"] == formula, f"saved bytes = (L+1)bw*4 = {formula:,}",
-                           step["flops"] == (6 * L - 2) * b * w * w, "FLOPs = (6L-2)bw^2")
+                           step["flops"] == flops, "FLOPs = (6L-2)bw^2")
 
 
 if __name__ == "__main__":
