@@ -74,8 +74,25 @@ def named(call: ast.Call) -> str | None:
     return None
 
 
-def keyword(call: ast.Call, name: str):
-    return next((k.value for k in call.keywords if k.arg == name), None)
+def keyword(call: ast.Call, name: str, dicts: frozenset = frozenset()):
+    """The value passed as name=, or the **kw that carries it (kw bound to dict(..., name=...) in the file)."""
+    for k in call.keywords:
+        if k.arg == name:
+            return k.value
+        if k.arg is None and isinstance(k.value, ast.Name) and k.value.id in dicts:
+            return k.value
+    return None
+
+
+def dicts_naming(tree, name: str) -> frozenset:
+    """Names bound to dict(..., name=...) anywhere in the file: `kw = dict(dtype=d, device=device)`."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            call = node.value
+            if isinstance(call.func, ast.Name) and call.func.id == "dict" and keyword(call, name) is not None:
+                found.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return frozenset(found)
 
 
 def moved(node, parents) -> bool:
@@ -100,6 +117,7 @@ def problems(path: str) -> list[str]:
     lines = text.splitlines()
     tree = ast.parse(text)
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    device_dicts = dicts_naming(tree, "device")
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
@@ -109,7 +127,7 @@ def problems(path: str) -> list[str]:
         if any("# cpu:" in line for line in span):
             continue
         where = f"{os.path.relpath(path, ROOT)}:{node.lineno}: {lines[node.lineno - 1].strip()[:90]}"
-        if kind in ("factory", "layer") and keyword(node, "device") is None and not moved(node, parents):
+        if kind in ("factory", "layer") and keyword(node, "device", device_dicts) is None and not moved(node, parents):
             found.append(f"{where}  <- names no device= and is not moved with .to(device)")
         gen = keyword(node, "generator")
         if kind == "factory" and keyword(node, "device") is not None and gen is not None and not any(
@@ -130,6 +148,7 @@ def test_every_tensor_module_and_generator_is_made_on_the_ranks_device_or_marked
     "dense = nn.Linear(4, 4)",                                                                  # parallel_gpt's
     "flag = torch.tensor([1.0])\ndist.broadcast(flag, 0)",                                     # the bench's
     "w = torch.empty(3, 4)",
+    "kw = dict(dtype=torch.float64)\nln = nn.LayerNorm(4, **kw)",                              # a **kw without it
 ])
 def test_each_bug_seen_on_the_gpu_is_caught_when_planted(planted, tmp_path):
     path = tmp_path / "planted.py"
@@ -144,6 +163,7 @@ def test_each_bug_seen_on_the_gpu_is_caught_when_planted(planted, tmp_path):
     "w = torch.empty(3, 4, device=dev)",
     "table = torch.tensor([1.0, 2.0])  # cpu: expected values, compared after .cpu()",
     "x = torch.randn(4, generator=torch.Generator(device=dev), device=dev)",
+    "kw = dict(dtype=torch.float64, device=dev)\nln = nn.LayerNorm(4, **kw)",
 ])
 def test_what_is_on_the_device_or_says_why_not_passes(fine, tmp_path):
     path = tmp_path / "fine.py"
