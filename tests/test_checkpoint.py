@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from harness import BACKEND, RankFailure, command, device, run
 from mini_dist import checkpoint, recovery, reshard
-from mini_dist.checkpoint import CheckpointError, Sharded, overlap
+from mini_dist.checkpoint_plan import Sharded
+from mini_dist.manifest import CheckpointError, overlap
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64,
           "bool": torch.bool}
