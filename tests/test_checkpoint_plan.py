@@ -13,6 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from harness import device
 from mini_dist import checkpoint_plan  # looked up at call time: an exercise swaps in a learner's module
 from mini_dist.checkpoint_plan import Sharded
 from mini_dist.manifest import overlap
@@ -53,11 +54,12 @@ def parts_for(shape):
 @pytest.mark.single_process
 @given(data=st.data(), shape=shapes, dtype=st.sampled_from([torch.float64, torch.int64, torch.bfloat16]))
 def test_every_wanted_box_is_filled_bit_for_bit_from_exactly_the_saved_boxes_it_overlaps(data, shape, dtype):
-    whole = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape)), dtype=torch.float64).to(dtype)
+    g = torch.Generator().manual_seed(len(shape))
+    whole = torch.randn(shape, generator=g, dtype=torch.float64).to(device(), dtype)
     saved = grid(shape, data.draw(parts_for(shape), label="saved parts per dim"))
     manifest = manifest_of(whole, saved)
     for offsets, lengths in grid(shape, data.draw(parts_for(shape), label="wanted parts per dim")):
-        box = torch.zeros(lengths, dtype=dtype)
+        box = torch.zeros(lengths, dtype=dtype, device=device())
         reads = checkpoint_plan.plan(manifest, {"w": Sharded(shape, dtype, ((offsets, box),)), "step": None})
         for piece, at, destination in reads:
             destination.copy_(piece["data"][at])
@@ -73,12 +75,12 @@ def test_every_wanted_box_is_filled_bit_for_bit_from_exactly_the_saved_boxes_it_
 @pytest.mark.single_process
 @given(data=st.data(), shape=shapes)
 def test_a_box_the_saved_boxes_do_not_hold_is_refused_naming_it(data, shape):
-    whole = torch.arange(prod(shape), dtype=torch.float32).view(shape)
+    whole = torch.arange(prod(shape), dtype=torch.float32, device=device()).view(shape)
     saved = [box for box in grid(shape, data.draw(parts_for(shape))) if prod(box[1]) > 0]
     lost = data.draw(st.sampled_from(saved), label="the saved box lost")
     manifest = manifest_of(whole, [box for box in saved if box != lost])
     offsets, lengths = lost
-    want = {"w": Sharded(shape, whole.dtype, ((offsets, torch.zeros(lengths)),))}
+    want = {"w": Sharded(shape, whole.dtype, ((offsets, torch.zeros(lengths, device=device())),))}
     words = f"the box at {list(offsets)} of {list(lengths)} is not all in the checkpoint"
     with pytest.raises(ValueError, match=re.escape(words)):
         checkpoint_plan.plan(manifest, want)
@@ -86,11 +88,12 @@ def test_a_box_the_saved_boxes_do_not_hold_is_refused_naming_it(data, shape):
 
 @pytest.mark.single_process
 def test_a_tensor_or_value_the_checkpoint_does_not_hold_as_wanted_is_refused():
-    manifest = manifest_of(torch.arange(12.0).view(3, 4), grid((3, 4), (3, 1)))
-    wants = {"the checkpoint holds no such tensor": {"v": torch.zeros(2)},
+    manifest = manifest_of(torch.arange(12.0, device=device()).view(3, 4), grid((3, 4), (3, 1)))
+    wants = {"the checkpoint holds no such tensor": {"v": torch.zeros(2, device=device())},
              "the checkpoint holds [[3, 4], 'float32'], this rank wants [3, 4] float64":
-                 {"w": torch.zeros(3, 4, dtype=torch.float64)},
-             "the checkpoint holds [[3, 4], 'float32'], this rank wants [4, 4]": {"w": torch.zeros(4, 4)},
+                 {"w": torch.zeros(3, 4, dtype=torch.float64, device=device())},
+             "the checkpoint holds [[3, 4], 'float32'], this rank wants [4, 4]":
+                 {"w": torch.zeros(4, 4, device=device())},
              "the checkpoint has no value 'epoch'": {"epoch": None}}
     for words, want in wants.items():
         with pytest.raises(ValueError, match=re.escape(words)):
@@ -110,7 +113,7 @@ def test_a_save_plan_with_a_box_moved_by_one_along_any_dim_is_refused(data, shap
     offsets = list(pieces[moved]["offsets"])
     offsets[dim] += step
     lengths = pieces[moved]["lengths"]
-    box = torch.zeros(lengths)
+    box = torch.zeros(lengths, device=device())
     value = Sharded(shape, torch.float32, ())
     if not all(0 <= o and o + n <= s for o, n, s in zip(offsets, lengths, shape)):
         with pytest.raises(ValueError, match="is not inside its"):
