@@ -8,8 +8,8 @@ or into FSDP, tensor parallelism or one process with a plain torch.optim optimiz
 
     save   rank r writes, of each parameter at [a, b) of the flat vector, its part [x, y) = [a, b) ∩
            [r*S, (r+1)*S): the parameter's elements, and each per-element state tensor's (exp_avg,
-           exp_avg_sq, fp32 master weights) as flat_shard boxes; a scalar (Adam's step) with each parameter.
-           Stage 0 holds all of the state but writes only that part: each element is saved by one rank.
+           exp_avg_sq, fp32 master weights) as flat_shard boxes; a scalar (Adam's step) with each parameter,
+           a frozen parameter once. Stage 0 holds all of the state but writes only its part: each element once.
     load   every rank reads every parameter whole, and of the state only its new shard [lo, hi).
 
 So a ZeRO rank reads b·N of parameters where FSDP reads b·N/K', plus its 1/K' of the state; and the saved
@@ -50,10 +50,19 @@ def zero_pieces(zero, lo: int, hi: int):
         yield name, p, j, a, x, y
 
 
+def frozen(zero):
+    """(name, parameter) of each named parameter in the ZeroOptimizer's groups that it does not step: not in
+    its flat vector, the same on every rank, saved once, as DDP's are."""
+    for g in zero.param_groups:
+        for name, p in zip(g.get("param_names") or [None] * len(g["params"]), g["params"]):
+            if name is not None and not p.requires_grad:
+                yield name, p
+
+
 def zero_state(zero) -> dict:
     """A ZeroOptimizer (any stage) and its model: the parameters and each per-element state tensor as this
-    rank's ZeRO slice [r*S, (r+1)*S) of them, scalars and settings once. (Stage 0 holds all of the state
-    but writes only that slice: each element is saved by one rank.)"""
+    rank's ZeRO slice [r*S, (r+1)*S) of them, scalars, settings and frozen parameters once. (Stage 0 holds
+    all of the state but writes only that slice: each element is saved by one rank.)"""
     S = zero.partition.shard_size
     state = {"optim.param_groups": [settings(g) for g in zero.param_groups]}
     keys = {"master_param"} if zero.has_master else set()  # the per-element ones
@@ -69,13 +78,15 @@ def zero_state(zero) -> dict:
         if zero.has_master:
             master = zero.master[x - zero.lo:y - zero.lo]
             state[f"optim.state.{name}.master_param"] = flat_shard(master, p.shape, x - a)
+    for name, p in frozen(zero):
+        state[f"model.{name}"] = p.detach()
     state["optim.per_element"] = sorted(keys)
     return state
 
 
 def load_zero_state(path: str, zero, group=None) -> dict:
-    """Collective: a ZeroOptimizer of any stage and world size takes every parameter whole and its own
-    shard of the optimizer state from checkpoint `path`, whatever layout saved it."""
+    """Collective: a ZeroOptimizer of any stage and world size takes every parameter whole (frozen ones too)
+    and its own shard of the optimizer state from checkpoint `path`, whatever layout saved it."""
     manifest, per = read_saved(path, len(zero.param_groups), group)
     own = {}         # per-element state: {key: this rank's [lo, hi) of it}
     scalars = {}     # {(param group, key): the group's one value}
@@ -91,6 +102,8 @@ def load_zero_state(path: str, zero, group=None) -> dict:
             elif k != "master_param" or zero.has_master:
                 vector = own.setdefault(k, torch.zeros(zero.hi - zero.lo, dtype=dtype, device=zero.flat.device))
                 state[f"optim.state.{name}.{k}"] = flat_shard(vector[x - zero.lo:y - zero.lo], p.shape, x - a)
+    for name, p in frozen(zero):
+        state[f"model.{name}"] = p.detach()
     stats = checkpoint.load(state, path, group)
     master = own.pop("master_param", None)
     if zero.has_master:
