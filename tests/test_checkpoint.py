@@ -1,7 +1,8 @@
 """The sharded checkpoint format (mini_dist/checkpoint.py): saved at K ranks, loaded at K' in any layout,
 bit for bit; a save that dies leaves no checkpoint; corruption, disagreement and overlap refused; DCP.
-Then training (mini_dist/reshard.py, reshard_zero.py, recovery.py): ZeRO and FSDP resumed at K' go on as if never stopped;
-a rank killed under torchrun --max-restarts=1 costs nothing but time; the newest N checkpoints are kept.
+Then training (mini_dist/reshard.py, reshard_zero.py, recovery.py): ZeRO and FSDP resumed at K' go on as if
+never stopped; a rank killed under torchrun --max-restarts=1 costs nothing but time; the newest N checkpoints
+are kept.
 
 Every comparison of saved and loaded state is torch.equal: a checkpoint moves bytes, so anything short of
 identical bits is a bug. Only training on after a change of world size may differ, by fp64 rounding.

@@ -84,7 +84,8 @@ def command_line(module, argv, world=1, monkeypatch=None):
     m = importlib.import_module(f"mini_dist.{module}")
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(sys, "argv", [f"mini_dist/{module.replace('.', '/')}.py", *argv])  # argparse names the program from it
+    # argparse names the program from it
+    monkeypatch.setattr(sys, "argv", [f"mini_dist/{module.replace('.', '/')}.py", *argv])
     return launch.main(m.parser(), m.demo, argv)
 
 
@@ -328,5 +329,6 @@ def test_every_questions_command_is_a_demo_its_parser_accepts_and_the_readme_ask
         words = shlex.split(q.command)
         assert words[:2] == ["./run.sh", "demo"] and words[2].replace("/", ".") in DEMOS + ["planner"], q.command
         args = words[4:] if len(words) > 3 and words[3].isdigit() else words[3:]
-        importlib.import_module(f"mini_dist.{words[2].replace('/', '.')}").parser().parse_args(args)  # SystemExit if not
+        # SystemExit if not
+        importlib.import_module(f"mini_dist.{words[2].replace('/', '.')}").parser().parse_args(args)
         assert "./run.sh ask --markdown" in readme, "README does not say how to print the questions page"
