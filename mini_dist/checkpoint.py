@@ -3,13 +3,8 @@
 A sharded job cannot gather its state on one rank to save it (the consolidated state dict of
 mini_dist/sharded_state.py: b*N bytes through one rank): each rank must write its 1/K in parallel, a
 crash at any moment must not corrupt what is on disk, and the checkpoint must load on another number of
-ranks or in another layout. A rank's state maps names to:
-
-    Sharded(shape, dtype, boxes)  its parts of a global tensor: each box (offsets, data) holds the elements
-                                  [offsets, offsets + data.shape) (ZeRO, FSDP and TP slices as boxes:
-                                  mini_dist/reshard.py)
-    torch.Tensor                  replicated: the same on every rank, written once, by rank 0
-    anything else                 a Python literal (numbers, strings, tuples, lists, dicts): in the manifest
+ranks or in another layout. A rank's state is boxes of global tensors (Sharded: mini_dist/checkpoint_plan.py),
+replicated tensors (the same on every rank: written once, by rank 0) and Python literals (in the manifest).
 
 save   every rank writes its boxes' raw bytes to rank_0000r.bin (temporary name, flush, fsync, rename) and
        sends rank 0 a record per box: name, global shape, dtype, offsets, lengths, byte range, crc32. Rank 0
@@ -23,7 +18,7 @@ load   the manifest is checked field by field (mini_dist/manifest.py: it may com
 Bytes: a rank writes b·N/K of state, ~150 B of record per box. Every rank sees one file system, as with DCP.
 
 Mirrors torch.distributed.checkpoint (DCP): a box is its ChunkStorageMetadata(offsets, sizes), the manifest
-its .metadata (written last, by the coordinator), plan() its LoadPlanner's ReadItems. DCP pickles its
+its .metadata (written last, by the coordinator), checkpoint_plan.plan() its LoadPlanner. DCP pickles its
 metadata (a load runs whatever code it names) and writes each chunk as a torch.save archive; here the
 manifest is JSON and the chunks raw bytes with a crc32.
 
@@ -31,12 +26,8 @@ manifest is JSON and the chunks raw bytes with a crc32.
 """
 import json
 import os
-import shutil
 import sys
-import tempfile
 import zlib
-from dataclasses import dataclass
-from math import prod
 from pathlib import Path
 
 import torch
@@ -45,25 +36,12 @@ import torch.distributed as dist
 if not __package__:  # run as `torchrun mini_dist/checkpoint.py`: Python put mini_dist/ on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mini_dist.kit import launch, timing
-from mini_dist.manifest import (DTYPES, MANIFEST, VERSION, CheckpointError, literal_text, overlap, read_manifest,
-                                tiling)
+from mini_dist.checkpoint_plan import Sharded, as_sharded, check_box, check_tiling, dtype_name, plan
+from mini_dist.kit import launch
+from mini_dist.manifest import DTYPES, MANIFEST, VERSION, CheckpointError, literal_text, read_manifest
 
 
-@dataclass(frozen=True)
-class Sharded:
-    """This rank's part of a global tensor: boxes (offsets, data) of the elements [offsets, offsets + data.shape)."""
-    shape: tuple
-    dtype: torch.dtype
-    boxes: tuple = ()
-
-
-def as_sharded(value: torch.Tensor, holds: bool = True) -> Sharded:
-    """A whole tensor as one box (held by the rank if `holds`)."""
-    return Sharded(tuple(value.shape), value.dtype, (((0,) * value.dim(), value),) if holds else ())
-
-
-# ----------------------------------------------------------------------------- save
+# ----- save: each rank's boxes to its own file, then the manifest, last
 
 def write_atomically(path: str, chunks) -> None:
     """Temporary name, write, flush, fsync, rename: whoever opens `path` sees the old file or the whole new one."""
@@ -79,54 +57,46 @@ def write_atomically(path: str, chunks) -> None:
 
 def write_shard(state: dict, path: str, rank: int) -> dict:
     """This rank's file, and the record of what is where in it (rank 0's records carry the replicated)."""
-    name_of_file, chunks, start = f"rank_{rank:05d}.bin", [], 0
+    file = f"rank_{rank:05d}.bin"
     record = {"tensors": {}, "objects": {}, "pieces": []}
+    chunks = []
+    start = 0  # where the next box's bytes begin in the file
     for name, value in state.items():
         if isinstance(value, torch.Tensor):  # replicated: written once, by rank 0
             value = as_sharded(value, rank == 0)
         if not isinstance(value, Sharded):
             record["objects"][name] = literal_text(name, value)
             continue
-        record["tensors"][name] = [list(value.shape), str(value.dtype).removeprefix("torch.")]
+        record["tensors"][name] = [list(value.shape), dtype_name(value.dtype)]
         for offsets, data in value.boxes:
-            if data.dtype != value.dtype or record["tensors"][name][1] not in DTYPES or len(offsets) != len(
-                    value.shape) or any(o < 0 or o + n > s for o, n, s in zip(offsets, data.shape, value.shape)):
-                raise ValueError(f"a box of {name!r} at {offsets} of {tuple(data.shape)} {data.dtype} is not "
-                                 f"inside its {value.shape} {value.dtype} (or not of {', '.join(DTYPES)})")
+            check_box(name, value, offsets, data)
             raw = data.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()  # cpu: bytes for a file
             if raw.nbytes:
-                record["pieces"].append({"name": name, "file": name_of_file, "offsets": list(offsets),
+                record["pieces"].append({"name": name, "file": file, "offsets": list(offsets),
                                          "lengths": list(data.shape), "start": start, "nbytes": raw.nbytes,
                                          "crc32": zlib.crc32(raw)})
                 chunks.append(raw)
                 start += raw.nbytes
-    write_atomically(os.path.join(path, name_of_file), chunks)
-    record["file"] = (name_of_file, start)
+    write_atomically(os.path.join(path, file), chunks)
+    record["file"] = (file, start)
     return record
 
 
 def merge(records: list) -> dict:
-    """Rank 0: every rank's records into one manifest, after checking that the ranks agree on every
-    name, shape, dtype and literal, and that each tensor's boxes hold each of its elements exactly once."""
-    first, pieces = records[0], [p for r in records for p in r["pieces"]]
-    for (rank, r), kind in ((r, k) for r in enumerate(records) for k in ("tensors", "objects")):
-        if r[kind] != first[kind]:
-            name = next(n for n in {**first[kind], **r[kind]} if first[kind].get(n) != r[kind].get(n))
-            raise ValueError(f"ranks disagree about {name!r}: rank 0 has {first[kind].get(name)}, rank {rank} "
-                                 f"{r[kind].get(name)}; every rank passes the same names, shapes and values")
-    for name, (shape, _) in first["tensors"].items():
-        held, twice = tiling([(p["offsets"], p["lengths"]) for p in pieces if p["name"] == name])
-        if held != prod(shape) or twice:
-            raise ValueError(f"the ranks' boxes of {name!r} hold {held} elements of its {prod(shape)}"
-                             f"{', some twice' if twice else ''}: each element must be saved by one rank")
-    return {"version": VERSION, "world_size": len(records), "tensors": first["tensors"],
-            "objects": first["objects"], "files": dict(r["file"] for r in records), "pieces": pieces}
+    """Rank 0: every rank's records into one manifest, once the ranks agree and their boxes tile each tensor."""
+    check_agreement(records)
+    first = records[0]
+    pieces = [p for r in records for p in r["pieces"]]
+    check_tiling(first["tensors"], pieces)
+    return {"version": VERSION, "world_size": len(records), "tensors": first["tensors"], "objects": first["objects"],
+            "files": dict(r["file"] for r in records), "pieces": pieces}
 
 
 def save(state: dict, path: str, group=None) -> None:
     """Collective: write `state` as the checkpoint at `path` (a directory); returns once it is on disk.
     If any rank fails, every rank raises the same CheckpointError. A complete checkpoint is never overwritten."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
     if os.path.exists(os.path.join(path, MANIFEST)):  # every rank sees it: no rank writes before the gather
         raise CheckpointError(f"{path} already holds a complete checkpoint: save to a new path, or delete it")
     try:
@@ -134,7 +104,8 @@ def save(state: dict, path: str, group=None) -> None:
         record = write_shard(state, path, rank)
     except (OSError, ValueError) as e:
         record = f"rank {rank}: {e}"
-    records, verdict = [None] * world if rank == 0 else None, [None]
+    records = [None] * world if rank == 0 else None
+    verdict = [None]  # rank 0's: why the checkpoint was not saved, or None
     dist.gather_object(record, records, group=group, group_dst=0)
     if rank == 0:
         try:
@@ -151,39 +122,8 @@ def save(state: dict, path: str, group=None) -> None:
         raise CheckpointError(verdict[0])
 
 
-# ----------------------------------------------------------------------------- load
+# ----- load: what each wanted box overlaps, read and checked, copied once every rank could read
 
-def plan(manifest: dict, state: dict) -> list:
-    """The planner, no I/O: for every box this rank wants, each saved piece it overlaps, as
-    (saved piece, index into the saved box, destination view). Refuses what the checkpoint cannot fill."""
-    def within(box_offsets, lo, lengths):  # the index of the shared box (lo, lengths) in a box at box_offsets
-        return tuple(slice(a - o, a - o + n) for a, o, n in zip(lo, box_offsets, lengths))
-    reads = []
-    for name, value in state.items():
-        if isinstance(value, torch.Tensor):
-            value = as_sharded(value)
-        if not isinstance(value, Sharded):
-            if name not in manifest["objects"]:
-                raise ValueError(f"the checkpoint has no value {name!r}")
-            continue
-        saved = manifest["tensors"].get(name)
-        if saved != [list(value.shape), str(value.dtype).removeprefix("torch.")]:
-            raise ValueError(f"{name!r}: the checkpoint holds {saved or 'no such tensor'}, this rank wants "
-                             f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}")
-        for offsets, data in value.boxes:
-            # exercise: each saved piece of `name` that the box overlaps: append (piece, its index within the
-            # saved box, the view of data it fills); refuse the box if the pieces do not hold all of it
-            found = 0
-            for piece in (p for p in manifest["pieces"] if p["name"] == name):
-                shared = overlap(offsets, data.shape, piece["offsets"], piece["lengths"])
-                if shared:
-                    reads.append((piece, within(piece["offsets"], *shared), data[within(offsets, *shared)]))
-                    found += prod(shared[1])
-            if found != data.numel():
-                raise ValueError(f"{name!r}: the box at {list(offsets)} of {list(data.shape)} is not all in "
-                                 f"the checkpoint ({found} of {data.numel()} elements)")
-            # end exercise
-    return reads
 def read_pieces(path: str, manifest: dict, reads: list) -> dict:
     """Each saved piece that `reads` needs, read once, whole, and checked against its crc32. The manifest
     was checked: each piece's bytes lie inside its file as it is on disk."""
@@ -192,7 +132,8 @@ def read_pieces(path: str, manifest: dict, reads: list) -> dict:
         key = (piece["file"], piece["start"])
         if key in loaded:
             continue
-        raw, file = torch.empty(piece["nbytes"], dtype=torch.uint8), os.path.join(path, piece["file"])  # cpu: read
+        file = os.path.join(path, piece["file"])
+        raw = torch.empty(piece["nbytes"], dtype=torch.uint8)  # cpu: read from a file
         with open(file, "rb") as f:
             f.seek(piece["start"])
             got = f.readinto(memoryview(raw.numpy()))
@@ -201,20 +142,6 @@ def read_pieces(path: str, manifest: dict, reads: list) -> dict:
                              f"{piece['name']!r} fail their crc32 check: the file was altered after it was saved")
         loaded[key] = raw.view(DTYPES[manifest["tensors"][piece["name"]][1]]).reshape(piece["lengths"])
     return loaded
-
-
-def everyone(what: str, step, group=None):
-    """step() on every rank; if it fails on any, every rank raises one CheckpointError naming each failed rank
-    (a raw error on one rank would leave the others waiting in their next collective)."""
-    try:
-        result, problem = step(), None
-    except (OSError, ValueError, KeyError, TypeError, CheckpointError) as e:
-        result, problem = None, f"rank {dist.get_rank(group)}: {e}"
-    problems = [None] * dist.get_world_size(group)
-    dist.all_gather_object(problems, problem, group=group)
-    if any(problems):
-        raise CheckpointError(f"{what}: " + "; ".join(p for p in problems if p))
-    return result
 
 
 @torch.no_grad()
@@ -233,15 +160,52 @@ def load(state: dict, path: str, group=None) -> dict:
     for name, value in state.items():
         if not isinstance(value, (torch.Tensor, Sharded)):
             state[name] = manifest["values"][name]
-    return {"bytes read": sum(t.nbytes for t in loaded.values()), "bytes wanted": sum(d.nbytes for *_, d in reads)}
+    wanted = sum(destination.nbytes for _, _, destination in reads)
+    return {"bytes read": sum(t.nbytes for t in loaded.values()), "bytes wanted": wanted}
+
+
+# ----- guards: every rank fails together; the ranks agree on what they save
+
+def everyone(what: str, step, group=None):
+    """step() on every rank; if it fails on any, every rank raises one CheckpointError naming each failed rank
+    (a raw error on one rank would leave the others waiting in their next collective)."""
+    try:
+        result, problem = step(), None
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError) as e:
+        result, problem = None, f"rank {dist.get_rank(group)}: {e}"
+    problems = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, problem, group=group)
+    if any(problems):
+        raise CheckpointError(f"{what}: " + "; ".join(p for p in problems if p))
+    return result
+
+
+def check_agreement(records: list) -> None:
+    """Rank 0, before the manifest: every rank passed the same names, shapes, dtypes and literals."""
+    first = records[0]
+    for rank, record in enumerate(records):
+        for kind in ("tensors", "objects"):
+            if record[kind] != first[kind]:
+                name = next(n for n in {**first[kind], **record[kind]} if first[kind].get(n) != record[kind].get(n))
+                raise ValueError(f"ranks disagree about {name!r}: rank 0 has {first[kind].get(name)}, rank {rank} "
+                                 f"{record[kind].get(name)}; every rank passes the same names, shapes and values")
 
 
 # ----------------------------------------------------------------------------- demo
 
 def share(t: torch.Tensor, rank: int, world: int) -> Sharded:
     """Rank r of K holds rows [n*r//K, n*(r+1)//K) of a tensor of n rows (none, when K > n)."""
-    lo, hi = len(t) * rank // world, len(t) * (rank + 1) // world
+    lo = len(t) * rank // world
+    hi = len(t) * (rank + 1) // world
     return Sharded(tuple(t.shape), t.dtype, (((lo,) + (0,) * (t.dim() - 1), t[lo:hi].clone()),))
+
+
+def corrupt(path: str, fault: str, world: int) -> None:
+    """Flip a byte in the middle of rank 1's file (rank 0's if alone), or cut the file there."""
+    file = Path(path, f"rank_{min(1, world - 1):05d}.bin")
+    raw = bytearray(file.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    file.write_bytes(raw if fault == "a flipped byte" else raw[:len(raw) // 2])
 
 
 def parser():
@@ -252,26 +216,38 @@ def parser():
 
 
 def demo(args) -> int:
+    import shutil
+    import tempfile
+
+    from mini_dist.kit import timing
     launch.require(min(args.rows, args.cols) >= 1, "--rows and --cols must be at least 1")
-    env, g = launch.setup(), torch.Generator().manual_seed(0)  # every rank: the same global tensors
-    rank, K = env.rank, env.world_size
+    env = launch.setup()
+    K = env.world_size
+    g = torch.Generator().manual_seed(0)  # every rank: the same global tensors
     full = {n: torch.randn(s, generator=g).to(env.device)
             for n, s in [("w", (args.rows, args.cols)), ("b", (args.cols,)), ("e", (3, args.rows, 5))]}
-    state = {**{n: share(t, rank, K) for n, t in full.items()}, "step": torch.tensor(7, device=env.device),
-             "data": {"epoch": 2}}
-    where = [tempfile.mkdtemp(prefix="mini_dist_checkpoint_") if rank == 0 else None]
+    N = sum(t.numel() for t in full.values())
+    state = {n: share(t, env.rank, K) for n, t in full.items()}
+    state["step"] = torch.tensor(7, device=env.device)
+    state["data"] = {"epoch": 2}
+    where = [tempfile.mkdtemp(prefix="mini_dist_checkpoint_") if env.rank == 0 else None]
     dist.broadcast_object_list(where)
-    path, N, rows = os.path.join(where[0], "step_7"), sum(t.numel() for t in full.values()), [None] * K
+    path = os.path.join(where[0], "step_7")
     ms = timing.timed(lambda: save(state, path)) * 1e3  # on the slowest rank
-    dist.all_gather_object(rows, (sum(d.nbytes for v in state.values() if isinstance(v, Sharded) for _, d in v.boxes),
-                                  os.path.getsize(os.path.join(path, f"rank_{rank:05d}.bin"))))
+    held = sum(data.nbytes for n in full for _, data in state[n].boxes)
+    files = [None] * K  # per rank: (bytes of its share, bytes of its file)
+    dist.all_gather_object(files, (held, os.path.getsize(os.path.join(path, f"rank_{env.rank:05d}.bin"))))
     launch.print0(f"3 fp32 tensors of N = {N:,} elements cut by rows over K = {K}, an int64 step, a literal: "
-                  f"saved in {ms:.1f} ms\n" + "".join(f"  rank_{r:05d}.bin {size:>8,} B = its share of 4N "
-                  f"{b:>8,} ({b / (4 * N):.3f}){' + 8 (step)' if r == 0 else ''}\n" for r, (b, size) in enumerate(rows))
-                  + f"  {MANIFEST}   {os.path.getsize(os.path.join(path, MANIFEST)):>8,} B, written last by rank 0")
-    exact = all(size == b + 8 * (r == 0) for r, (b, size) in enumerate(rows)) and sum(b for b, _ in rows) == 4 * N
-    back = {**{n: share(torch.zeros_like(t), rank, K) for n, t in full.items()},
-            "step": torch.zeros_like(state["step"]), "data": None}
+                  f"saved in {ms:.1f} ms")
+    for r, (b, size) in enumerate(files):
+        launch.print0(f"  rank_{r:05d}.bin {size:>8,} B = its share of 4N {b:>8,} ({b / (4 * N):.3f})"
+                      f"{' + 8 (step)' if r == 0 else ''}")
+    launch.print0(f"  {MANIFEST}   {os.path.getsize(os.path.join(path, MANIFEST)):>8,} B, written last by rank 0")
+    exact = all(size == b + (8 if r == 0 else 0) for r, (b, size) in enumerate(files))
+    exact = exact and sum(b for b, _ in files) == 4 * N
+    back = {n: share(torch.zeros_like(t), env.rank, K) for n, t in full.items()}
+    back["step"] = torch.zeros_like(state["step"])
+    back["data"] = None
     ms = timing.timed(lambda: load(back, path)) * 1e3
     equal = bool(back["step"] == 7) and back["data"] == state["data"] and all(
         torch.equal(a, b) for n in full for (_, a), (_, b) in zip(back[n].boxes, state[n].boxes))
@@ -279,18 +255,15 @@ def demo(args) -> int:
                   f"and layouts: mini_dist/reshard.py)")
     refused = 0
     for fault in ("a flipped byte", "a truncated file"):
-        if rank == 0:  # rank 1's file (rank 0's if alone), in its middle
-            f = Path(path, f"rank_{min(1, K - 1):05d}.bin")
-            raw = bytearray(f.read_bytes())
-            raw[len(raw) // 2] ^= 1
-            f.write_bytes(raw if fault == "a flipped byte" else raw[:len(raw) // 2])
+        if env.rank == 0:
+            corrupt(path, fault, K)
         dist.barrier()
         try:
-            load({n: share(torch.zeros_like(t), rank, K) for n, t in full.items()}, path)
+            load({n: share(torch.zeros_like(t), env.rank, K) for n, t in full.items()}, path)
         except CheckpointError as e:
             refused += 1
             launch.print0(f"{fault}: refused on every rank: {str(e)[:150]}...")
-    if rank == 0:
+    if env.rank == 0:
         shutil.rmtree(where[0])
     return launch.conclude("checkpoint", equal and refused == 2, "saved and loaded bit for bit; corruption refused",
                            exact, f"each rank writes its share of 4N = {4 * N:,} B")

@@ -18,7 +18,7 @@ Naive beside optimised: `moe.MoE` runs every expert in one process, looping over
 `ExpertParallelMoE` shards them and moves rows with `p2p_all_to_all`, an all-to-all from isend/irecv,
 beside dist.all_to_all_single (transport=comm.all_to_all_single).
 
-Demo (vs one process, bytes vs formula, load balance with and without the aux loss, drops at two factors):
+Demo (vs one process, bytes vs formula, balance with and without the aux loss; ./run.sh ask 17: stragglers):
 
     torchrun --standalone --nproc_per_node=4 mini_dist/expert_parallel.py
 
@@ -38,7 +38,6 @@ from mini_dist import comm
 from mini_dist.kit import launch, measure, wire
 from mini_dist.moe import MoE, route, skewed_tokens
 
-
 Plan = namedtuple("Plan", "token choice sent received")  # the rows' (token, choice), rows to / from each rank
 
 
@@ -50,7 +49,8 @@ def dispatch(tokens, routing, num_experts, group=None, transport=comm.all_to_all
     W = dist.get_world_size(group)
     t, j = routing.keep.nonzero(as_tuple=True)                            # kept (token, choice) pairs
     order = routing.expert[t, j].argsort(stable=True)                     # by expert = by owner rank
-    t, j = t[order], j[order]
+    t = t[order]
+    j = j[order]
     sent = torch.bincount(routing.expert[t, j], minlength=num_experts).view(W, -1)  # [W, E/W] rows to rank q
     got = transport(torch.empty_like(sent), sent, [1] * W, [1] * W, group)         # [W, E/W] rows from rank q
     plan = Plan(t, j, sent.sum(1).tolist(), got.sum(1).tolist())
@@ -73,8 +73,10 @@ def p2p_all_to_all(out, x, output_splits, input_splits, group=None):
     everyone's first peer; empty messages are skipped, which both sides know from the counts. Every send
     and receive is in one batch: under NCCL, unbatched ones run in order on one stream, and a receive
     queued ahead of the send its peer waits for would never finish."""
-    W, me = dist.get_world_size(group), dist.get_rank(group)
-    sends, recvs = x.split(input_splits), out.split(output_splits)
+    W = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    sends = x.split(input_splits)
+    recvs = out.split(output_splits)
     recvs[me].copy_(sends[me])
     ops = []
     for s in range(1, W):
@@ -97,13 +99,18 @@ class ExpertParallelMoE(MoE):
         W = dist.get_world_size(group)
         super().__init__(hidden, ffn_hidden, num_experts, k, capacity_factor, W, device, dtype)
         comm.agree("ExpertParallelMoE", (hidden, ffn_hidden, num_experts, k, capacity_factor), group)
-        self.group, self.transport, self.W, self.local = group, transport, W, num_experts // W
+        self.group = group
+        self.transport = transport
+        self.W = W
+        self.local = num_experts // W  # experts on this rank
 
     def forward(self, x):
+        """Route my tokens, send each kept row to its expert's rank, run my experts, bring the rows home."""
         comm.agree("ExpertParallelMoE.forward", (x.shape[-1], x.dtype), self.group)
         tokens, r = self.routing(x)
         rows, got, plan = dispatch(tokens, r, self.num_experts, self.group, self.transport)
-        self.sent, self.received = plan.sent, plan.received
+        self.sent = plan.sent
+        self.received = plan.received
         out = self.run_experts(rows, got)                                     # [sum(received), h]
         return combine(out, plan, r.weight, len(tokens), self.group, self.transport).view_as(x)
 
@@ -124,7 +131,9 @@ def allreduce_router_grads(moe, group=None) -> None:
 
 
 def _pairs(parallel, dense, group):
-    full, W = dict(dense.named_parameters()), dist.get_world_size(group)
+    """(shard, whole) of each parameter of the parallel layer and the dense one, the shapes checked."""
+    full = dict(dense.named_parameters())
+    W = dist.get_world_size(group)
     for name, p in parallel.named_parameters():
         want = (p.shape[0] * W, *p.shape[1:]) if hasattr(p, "ep_dim") else tuple(p.shape)
         if name not in full or tuple(full[name].shape) != want:
@@ -145,13 +154,11 @@ def shard_from_dense(parallel, dense, group=None):
 def gather_to_dense(parallel, dense, group=None):
     """The inverse: all-gather the experts, and their gradients, into `dense` (the router is copied)."""
     for p, full in _pairs(parallel, dense, group):
-        whole = (lambda t: comm.all_gather(t, 0, group)) if hasattr(p, "ep_dim") else (lambda t: t)
-        full.copy_(whole(p))
-        full.grad = None if p.grad is None else whole(p.grad).clone()
+        expert = hasattr(p, "ep_dim")  # every rank's E/W experts, along dim 0; the router: the same everywhere
+        full.copy_(comm.all_gather(p, 0, group) if expert else p)
+        full.grad = None if p.grad is None else (comm.all_gather(p.grad, 0, group) if expert else p.grad).clone()
     return dense
 
-
-# ----- demo -----
 
 def parallel_like(dense, group=None, transport=p2p_all_to_all):
     """An ExpertParallelMoE holding dense's router and this rank's E/W experts."""
@@ -160,11 +167,14 @@ def parallel_like(dense, group=None, transport=p2p_all_to_all):
     return shard_from_dense(moe, dense, group)
 
 
+# ----- the check: the layer against the one-process MoE, and its bytes against the formula
+
 def against_one_process(dense, transport, xs, dys, group=None):
     """My tokens through the parallel layer, every rank's through `dense` (one call, one group, per rank),
     loss = <y, dy> + aux. Returns the largest relative difference (outputs, aux, drops, input, router and
     expert gradients), the all-to-all bytes this rank sent, and the ledger's formula for them."""
-    me, moe = dist.get_rank(group), parallel_like(dense, group, transport)
+    me = dist.get_rank(group)
+    moe = parallel_like(dense, group, transport)
     x = xs[me].clone().requires_grad_()
     comm.COUNTER.reset()
     y = moe(x)
@@ -186,54 +196,31 @@ def against_one_process(dense, transport, xs, dys, group=None):
     return diff, nbytes, 2 * off_rank * dense.hidden * 8  # forward, then the same rows back in backward
 
 
+# ----------------------------------------------------------------------------- demo
+
 def train(dense, alpha, args):
     """Adam steps on skewed tokens, task loss + alpha * aux. Then, on fresh tokens, summed over ranks:
     choices per expert, and [aux, choices dropped at capacity factors 1.0 and 1.25, expert rows] per rank."""
-    rank, h, k = dist.get_rank(), dense.hidden, dense.k
+    h = dense.hidden
     moe = parallel_like(dense)
     teacher = skewed_tokens(h, h, args.seed + 1, 0) / h
     opt = torch.optim.Adam(moe.parameters(), lr=1e-2)
     for step in range(args.steps):
-        x = skewed_tokens(args.tokens, h, args.seed, rank, step + 1)
+        x = skewed_tokens(args.tokens, h, args.seed, dist.get_rank(), step + 1)
         loss = ((moe(x) - torch.tanh(x @ teacher)) ** 2).mean() + alpha * moe.aux_loss
         opt.zero_grad()
         loss.backward()
         allreduce_router_grads(moe)
         opt.step()
-    x = skewed_tokens(args.tokens, h, args.seed, rank, args.steps + 1)
+    x = skewed_tokens(args.tokens, h, args.seed, dist.get_rank(), args.steps + 1)
     with torch.no_grad():
         moe(x)
         logits = moe.router(x)
-        r = route(logits, k)
-        mine = [r.aux.item(), *[(~route(logits, k, cf).keep).sum().item() for cf in (1.0, 1.25)], sum(moe.received)]
+        r = route(logits, dense.k)
+        drops = [(~route(logits, dense.k, cf).keep).sum().item() for cf in (1.0, 1.25)]
+    mine = torch.tensor([[r.aux.item(), *drops, sum(moe.received)]], dtype=torch.float64, device=launch.device())
     choices = comm.all_reduce(torch.bincount(r.expert.flatten(), minlength=dense.num_experts)).cpu()
-    return choices, comm.all_gather(torch.tensor([mine], dtype=torch.float64, device=launch.device()), 0).cpu()
-
-
-def traffic_and_stragglers(experts=8, k=2, hidden=8, seed=0) -> tuple[str, bool]:
-    """What expert parallelism sends and why a skewed router makes a straggler, on the ranks of the world:
-    the layer against one process, its bytes against the formula; then the rows that reach the busiest
-    rank when the tokens have no common direction and when they all lean one way. (figure, holds)."""
-    W, r, h, dev = dist.get_world_size(), dist.get_rank(), hidden, launch.device()
-    torch.manual_seed(seed)  # the same router and experts on every rank
-    dense = MoE(h, 2 * h, experts, k, None, device=dev, dtype=torch.float64)
-    xs, dys = ([skewed_tokens(16 + 3 * q, h, s, q) for q in range(W)] for s in (seed, seed + 1))
-    diff, nbytes, want = against_one_process(dense, p2p_all_to_all, xs, dys)
-    layer, load = parallel_like(dense), {}
-    for skew in (0.0, 4.0):
-        with torch.no_grad():
-            layer(skewed_tokens(64, h, seed + 2, r, skew=skew))
-        rows = comm.all_gather(torch.tensor([sum(layer.received)], device=dev), 0).double()
-        load[skew] = (rows.max() / rows.mean()).item()
-    diff, off = comm.all_reduce(torch.tensor([diff, nbytes != want], dtype=torch.float64, device=dev),
-                                op=dist.ReduceOp.MAX).tolist()  # the worst over the ranks
-    straggler = load[4.0] > load[0.0] if W > 1 else load == {0.0: 1.0, 4.0: 1.0}  # one rank: busiest = mean
-    return (f"E = {experts} experts on {W} ranks, top-{k}: rank {r} sent {nbytes:,} B of rows by all-to-all, "
-            f"forward and back, = 2(rows out + rows in)*h*8 (= one process to {diff:.0e}); rows reaching the "
-            f"busiest rank: {load[0.0]:.2f}x the mean for tokens without a common direction, {load[4.0]:.2f}x "
-            f"when all lean one way: " + ("that rank computes longest and the return trip waits for it" if W > 1
-                                          else "one rank holds every expert, no rank waits for another")), \
-        diff <= 1e-12 and off == 0 and straggler
+    return choices, comm.all_gather(mine, 0).cpu()
 
 
 def parser():
@@ -251,44 +238,40 @@ def parser():
 
 def demo(args) -> int:
     W = launch.env_world_size()
-    launch.require(args.experts % W == 0, f"--experts {args.experts} is not divisible by {W} ranks: each rank "
-                                          "holds E/W whole experts")
-    launch.require(1 <= args.k <= args.experts, f"--k must be between 1 and --experts ({args.experts})")
-    launch.require(min(args.hidden, args.tokens, args.steps + 1) >= 1 and args.capacity_factor > 0,
+    E = args.experts
+    h = args.hidden
+    launch.require(E % W == 0, f"--experts {E} is not divisible by {W} ranks: each rank holds E/W whole experts")
+    launch.require(1 <= args.k <= E, f"--k must be between 1 and --experts ({E})")
+    launch.require(min(h, args.tokens, args.steps + 1) >= 1 and args.capacity_factor > 0,
                    "--hidden and --tokens must be >= 1, --steps >= 0, --capacity-factor > 0")
     env = launch.setup(seed=args.seed)
-    h, E, k, cf, f64, dev = args.hidden, args.experts, args.k, args.capacity_factor, torch.float64, env.device
     counts = [args.tokens + 3 * q for q in range(W)]
-    dense = MoE(h, 2 * h, E, k, cf, device=dev, dtype=f64)
+    dense = MoE(h, 2 * h, E, args.k, args.capacity_factor, device=env.device, dtype=torch.float64)
     xs = [skewed_tokens(n, h, args.seed, q) for q, n in enumerate(counts)]
     dys = [skewed_tokens(n, h, args.seed + 1, q) for q, n in enumerate(counts)]
-    (p2p, nbytes, want), (native, _, _) = [against_one_process(dense, t, xs, dys)
-                                           for t in (p2p_all_to_all, comm.all_to_all_single)]
-    ledger = comm.all_gather(torch.tensor([[nbytes, want]], device=dev), 0).tolist()
-    launch.print0(f"MoE: E={E} experts ({E // W} per rank), top-{k}, h={h}, ffn={2 * h}, capacity factor {cf:g}, "
-                  f"fp64, {W} ranks holding {', '.join(map(str, counts))} tokens")
+    p2p, nbytes, want = against_one_process(dense, p2p_all_to_all, xs, dys)
+    native, _, _ = against_one_process(dense, comm.all_to_all_single, xs, dys)
+    ledger = comm.all_gather(torch.tensor([[nbytes, want]], device=env.device), 0).tolist()
+    launch.print0(f"MoE: E={E} experts ({E // W} per rank), top-{args.k}, h={h}, ffn={2 * h}, capacity factor "
+                  f"{args.capacity_factor:g}, fp64, {W} ranks holding {', '.join(map(str, counts))} tokens")
     launch.print0(f"  vs the same MoE in one process (outputs, aux, drops, input/router/expert grads): max relative "
                   f"diff {p2p:.1e} over p2p_all_to_all, {native:.1e} over dist.all_to_all_single")
-    launch.print0(f"  all-to-all bytes each rank sent, fwd + bwd, ranks 0..{W - 1}: "
-                  f"{', '.join(f'{b:,}' for b, _ in ledger)} = 2(rows out + rows in)*h*8: "
-                  f"{', '.join(f'{w:,}' for _, w in ledger)}")
-    traffic, traffic_ok = traffic_and_stragglers(E, k, h, args.seed)
-    launch.print0(f"  {traffic}")
+    launch.print0(f"  all-to-all bytes each rank sent, fwd + bwd: {', '.join(f'{b:,}' for b, _ in ledger)} "
+                  f"= 2(rows out + rows in)*h*8: {', '.join(f'{w:,}' for _, w in ledger)}")
     launch.print0(f"after {args.steps} Adam steps on skewed tokens, then fresh ones (all ranks together):\n  {'':18}"
-                  f"{'choices per expert':<20}{'aux':>5}  {'busiest rank, % of rows':>23}  "
-                  f"dropped at cf 1.0 / 1.25, % of choices")
+                  f"{'choices per expert':<20}{'aux':>5}  {'busiest rank, % of rows':>23}  dropped at cf 1.0 / 1.25")
     aux = []
     for name, alpha in (("no aux loss", 0.0), (f"+ {args.aux:g} x aux", args.aux)):
         choices, ranks = train(dense, alpha, args)  # ranks: [W, 4]
-        (drop1, drop125), rows = ranks[:, 1:3].sum(0) / choices.sum(), ranks[:, 3]
+        drop1, drop125 = (ranks[:, 1:3].sum(0) / choices.sum()).tolist()  # % of the choices
+        busiest = ranks[:, 3].max() / ranks[:, 3].sum()  # the share of the expert rows on the busiest rank
         aux.append(ranks[:, 0].mean().item())
         launch.print0(f"  {name:<18}{measure.bars(choices.tolist(), choices.max().item(), E):<20}{aux[-1]:>5.2f}  "
-                      f"{rows.max() / rows.sum():>22.0%}   {drop1:>6.0%} / {drop125:.0%}")
+                      f"{busiest:>22.0%}   {drop1:>6.0%} / {drop125:.0%}")
     launch.print0(f"  (balanced: aux 1.00, busiest rank {1 / W:.0%} of the rows, nothing dropped at cf 1.0)")
-    check_ok = max(p2p, native) <= 1e-12
-    figure_ok = all(b == w for b, w in ledger) and aux[1] < aux[0] and traffic_ok
-    return launch.conclude("expert_parallel", check_ok, f"MoE = one process ({max(p2p, native):.0e})", figure_ok,
-                           f"bytes = formula; aux {aux[0]:.2f} -> {aux[1]:.2f}")
+    figure_ok = all(b == w for b, w in ledger) and aux[1] < aux[0]
+    return launch.conclude("expert_parallel", max(p2p, native) <= 1e-12, f"MoE = one process ({max(p2p, native):.0e})",
+                           figure_ok, f"bytes = formula; aux {aux[0]:.2f} -> {aux[1]:.2f}")
 
 
 if __name__ == "__main__":

@@ -70,14 +70,18 @@ class Experts(nn.Module):
     def __init__(self, num, hidden, ffn_hidden, device=None, dtype=None):
         super().__init__()
 
-        def param(shape, fan_in):  # nn.Linear's init range
+        def param(shape, fan_in):
+            """Drawn as nn.Linear draws its weights, tagged: cut along dim 0 by expert parallelism."""
             p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype).uniform_(-fan_in ** -0.5, fan_in ** -0.5))
             p.ep_dim = 0
             return p
-        self.w1, self.b1 = param((num, hidden, ffn_hidden), hidden), param((num, ffn_hidden), hidden)
-        self.w2, self.b2 = param((num, ffn_hidden, hidden), ffn_hidden), param((num, hidden), ffn_hidden)
+        self.w1 = param((num, hidden, ffn_hidden), hidden)
+        self.b1 = param((num, ffn_hidden), hidden)
+        self.w2 = param((num, ffn_hidden, hidden), ffn_hidden)
+        self.b2 = param((num, hidden), ffn_hidden)
 
     def mlp(self, i, x):
+        """Expert i on its rows x."""
         return F.gelu(x @ self.w1[i] + self.b1[i]) @ self.w2[i] + self.b2[i]   # [m, h] -> [m, h]
 
     def forward(self, x, counts):
@@ -94,20 +98,26 @@ class MoE(nn.Module):
                  dtype=None):
         super().__init__()
         check_config(num_experts, k, capacity_factor, parts)
-        self.hidden, self.ffn_hidden, self.num_experts = hidden, ffn_hidden, num_experts
-        self.k, self.capacity_factor = k, capacity_factor
+        self.hidden = hidden
+        self.ffn_hidden = ffn_hidden
+        self.num_experts = num_experts
+        self.k = k
+        self.capacity_factor = capacity_factor
         self.router = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=dtype)
         self.experts = Experts(num_experts // parts, hidden, ffn_hidden, device, dtype)
 
     def routing(self, x):
+        """Tokens [..., h] as rows [n, h], and their Routing; the aux loss and the drops kept for the caller."""
         if x.shape[-1] != self.hidden:
             raise ValueError(f"{type(self).__name__} expects tokens [..., {self.hidden}], got {tuple(x.shape)}")
         tokens = x.reshape(-1, self.hidden)                                  # [n, h]
         r = route(self.router(tokens), self.k, self.capacity_factor)
-        self.aux_loss, self.dropped = r.aux, int((~r.keep).sum())
+        self.aux_loss = r.aux
+        self.dropped = int((~r.keep).sum())
         return tokens, r
 
     def forward(self, x):
+        """y = sum_j w_j expert_{e_j}(x) over each token's kept choices, expert by expert."""
         tokens, r = self.routing(x)
         y = torch.zeros_like(tokens)
         for e in range(self.num_experts):
@@ -116,9 +126,10 @@ class MoE(nn.Module):
         return y.view_as(x)
 
 
-# ----- the guard, and tokens that lean one way (for the demos) -----
+# ----- the guard, and tokens that lean one way (for the demos and the questions)
 
 def check_config(num_experts: int, k: int, capacity_factor, parts: int) -> None:
+    """Refuse a layer that cannot route: k outside 1..E, a capacity factor <= 0, E not a multiple of `parts`."""
     if not 1 <= k <= num_experts:
         raise ValueError(f"k={k} experts per token must be between 1 and the number of experts "
                          f"E={num_experts}: each token picks k different experts")
@@ -136,7 +147,7 @@ def skewed_tokens(n, h, seed, rank=0, step=0, skew=2.0):
     return (torch.randn(n, h, generator=g, dtype=torch.float64) + offset).to(launch.device())
 
 
-# ----- demo -----
+# ----------------------------------------------------------------------------- demo
 
 def parser():
     p = launch.demo_parser(__doc__)
@@ -150,7 +161,10 @@ def parser():
 
 
 def demo(args) -> int:
-    E, k, n, h = args.experts, args.k, args.tokens, args.hidden
+    E = args.experts
+    k = args.k
+    n = args.tokens
+    h = args.hidden
     launch.require(1 <= k <= E, f"--k must be between 1 and --experts ({E})")
     launch.require(min(n, h) >= 1, "--tokens and --hidden must be >= 1")
     env = launch.setup(seed=args.seed)
@@ -168,7 +182,8 @@ def demo(args) -> int:
         counts = torch.bincount(r.expert.flatten(), minlength=E)
         dropped = [int((~route(logits, k, cf).keep).sum()) for cf in factors]
         direct = [int((counts - capacity(cf, n, k, E)).clamp_min(0).sum()) for cf in factors]
-        f, P = counts.double() / (n * k), logits.softmax(-1).mean(0)
+        f = counts.double() / (n * k)     # each expert's share of the choices
+        P = logits.softmax(-1).mean(0)    # its mean gate probability
         exact = exact and dropped == direct and math.isclose(r.aux.item(), E * (f * P).sum().item(), rel_tol=1e-12)
         aux.append(r.aux.item())
         launch.print0(f"  {name:<10}{measure.bars(counts.tolist(), counts.max().item(), E):<20}{aux[-1]:>5.2f}   "

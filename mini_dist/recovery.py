@@ -23,7 +23,6 @@ Mirrors torchrun's elastic restarts (torch.distributed.elastic) with DCP checkpo
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -33,12 +32,11 @@ from torch import nn
 if not __package__:  # run as `torchrun mini_dist/recovery.py`: Python put mini_dist/ on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import checkpoint
-from mini_dist.kit import launch
-from mini_dist.checkpoint import Sharded
+from mini_dist.checkpoint_plan import Sharded
 from mini_dist.fsdp import FullyShardedDataParallel
-from mini_dist.reshard import fsdp_layout, load_module_state, load_zero_state, module_state, zero_state
-from mini_dist.kit.models import mlp, random_batch_steps
-from mini_dist.sharded_state import consolidated_state_dict
+from mini_dist.kit import launch
+from mini_dist.reshard import fsdp_layout, load_module_state, module_state
+from mini_dist.reshard_zero import load_zero_state, zero_state
 from mini_dist.zero_optimizer import ZeroOptimizer
 
 
@@ -47,8 +45,13 @@ class ResumableSampler:
     K-th index of it -- plus where the run stands in it, so a resumed run draws the batches the lost one would."""
 
     def __init__(self, size: int, batch: int, seed: int = 0, group=None):
-        self.size, self.batch, self.seed, self.epoch, self.position = size, batch, seed, 0, 0
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.size = size
+        self.batch = batch
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0  # batches of this epoch drawn
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
         self.per_epoch = size // self.world // batch  # batches per rank per epoch (the remainder is dropped)
         if self.per_epoch < 1:
             raise ValueError(f"{size} samples cannot give {self.world} ranks a batch of {batch} each")
@@ -56,7 +59,8 @@ class ResumableSampler:
     def next(self) -> torch.Tensor:
         """This rank's next batch of sample indices."""
         if self.position == self.per_epoch:
-            self.epoch, self.position = self.epoch + 1, 0
+            self.epoch += 1
+            self.position = 0
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.size, generator=g)  # cpu: sample indices, the same on every device
         mine = order[:self.per_epoch * self.batch * self.world][self.rank::self.world]
@@ -64,17 +68,21 @@ class ResumableSampler:
         return mine[(self.position - 1) * self.batch:self.position * self.batch]
 
     def state(self) -> dict:
+        """Where the run stands in the data, for a checkpoint."""
         return {"epoch": self.epoch, "position": self.position}
 
 
 def rng_state(group=None) -> Sharded:
     """Every rank's RNG state as row r of a [K, n] uint8 tensor: the CPU generator's, and its GPU's."""
-    mine = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if launch.device().type == "cuda" else [])
+    mine = [torch.get_rng_state()]
+    if launch.device().type == "cuda":
+        mine.append(torch.cuda.get_rng_state())
     row = torch.cat(mine)
     return Sharded((dist.get_world_size(group), len(row)), row.dtype, (((dist.get_rank(group), 0), row[None]),))
 
 
 def set_rng_state(row: torch.Tensor) -> None:
+    """This rank's row of rng_state() back into its generators."""
     torch.set_rng_state(row[:len(torch.get_rng_state())].clone())
     if launch.device().type == "cuda":
         torch.cuda.set_rng_state(row[len(torch.get_rng_state()):].clone())
@@ -102,22 +110,23 @@ def prune(directory: str, keep: int) -> None:
             shutil.rmtree(path)
 
 
-def join_attempt() -> None:
-    """Join the group of this torchrun attempt. Every attempt gets the agent's TCPStore, where the dead
-    attempt's ranks left their addresses; a new rank may read one and connect to a dead process
-    (pytorch/pytorch#135712). So a restarted attempt keys its own under a prefix; launch.setup() then finds
-    the group made. (The first attempt's store is fresh: it goes through launch.setup() alone.)"""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if attempt != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not dist.is_initialized():
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=launch.timeout())
-        dist.init_process_group(launch.choose_backend(int(os.environ["LOCAL_WORLD_SIZE"])), timeout=launch.timeout(),
-                                store=dist.PrefixStore(f"attempt_{attempt}", store), rank=launch.env_rank(),
-                                world_size=launch.env_world_size())
-
-
 class Crash(Exception):
     """The simulated death of the run, when torchrun will not restart it."""
+
+
+def training_state(model, optimizer) -> dict:
+    """Parameters and optimizer state as boxes: ZeRO's shards (reshard_zero.py), or FSDP's slices (reshard.py)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        return zero_state(optimizer)
+    return module_state(fsdp_layout(model), optimizer)
+
+
+def load_training_state(path: str, model, optimizer, group=None) -> None:
+    """The same state, loaded in place from checkpoint `path`."""
+    if isinstance(optimizer, ZeroOptimizer):
+        load_zero_state(path, optimizer, group)
+    else:
+        load_module_state(path, fsdp_layout(model), optimizer, group)
 
 
 def train(args, save_to: str | None = None, resume_from: str | None = None, crash=None, remember=True):
@@ -125,7 +134,8 @@ def train(args, save_to: str | None = None, resume_from: str | None = None, cras
     position, as a naive restart), saving every args.every steps into `save_to` if given; crash="exit":
     rank args.kill_rank dies before step args.kill_at, "raise": every rank raises Crash there.
     Returns (this rank's parameters and optimizer state, the mean loss of every step, the step resumed at)."""
-    rank, group = dist.get_rank(), None
+    rank = dist.get_rank()
+    group = None  # the whole world: torchrun restarts all of it
     torch.manual_seed(0)  # the same initial model everywhere, then each rank its own dropout masks
     model = nn.Sequential(nn.Linear(args.width, 4 * args.width), nn.Dropout(0.25), nn.Tanh(),
                           nn.Linear(4 * args.width, 1)).to(launch.device(), torch.float64)
@@ -136,20 +146,22 @@ def train(args, save_to: str | None = None, resume_from: str | None = None, cras
     if args.sharding == "fsdp":
         model = FullyShardedDataParallel(model, group=group)
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-        state_of = lambda: module_state(fsdp_layout(model), optimizer)  # noqa: E731
-        load = lambda path: load_module_state(path, fsdp_layout(model), optimizer, group)  # noqa: E731
     else:
         optimizer = ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage=2, group=group, lr=0.01)
-        state_of, load = lambda: zero_state(optimizer), lambda path: load_zero_state(path, optimizer, group)
-    sampler, step, losses = ResumableSampler(args.samples, args.batch, group=group), 0, []
+    sampler = ResumableSampler(args.samples, args.batch, group=group)
+    step = 0
+    losses = []  # the mean loss over the ranks, every step since the start
     if resume_from:
-        load(resume_from)
+        load_training_state(resume_from, model, optimizer, group)
         extra = {"step": None, "losses": None, "sampler": None, "rng": rng_state(group)}
         checkpoint.load(extra, resume_from, group)
-        step, losses = extra["step"], extra["losses"]
+        step = extra["step"]
+        losses = extra["losses"]
         if remember:
-            sampler.epoch, sampler.position = extra["sampler"]["epoch"], extra["sampler"]["position"]
-            set_rng_state(extra["rng"].boxes[0][1][0])
+            sampler.epoch = extra["sampler"]["epoch"]
+            sampler.position = extra["sampler"]["position"]
+            _, rows = extra["rng"].boxes[0]
+            set_rng_state(rows[0])
     start = step
     while step < args.steps:
         if crash == "raise" and step + 1 == args.kill_at:
@@ -163,61 +175,34 @@ def train(args, save_to: str | None = None, resume_from: str | None = None, cras
         optimizer.step()
         mean = loss.detach() / dist.get_world_size()
         dist.all_reduce(mean)
-        losses, step = losses + [mean.item()], step + 1
+        losses.append(mean.item())
+        step += 1
         if save_to and step % args.every == 0:
-            state = {**state_of(), "step": step, "losses": losses, "sampler": sampler.state(), "rng": rng_state()}
+            state = training_state(model, optimizer)
+            state.update({"step": step, "losses": losses, "sampler": sampler.state(), "rng": rng_state()})
             checkpoint.save(state, os.path.join(save_to, f"step_{step:08d}"), group)
             if rank == 0:
                 prune(save_to, args.keep)
-    mine = [d.detach().clone() for v in state_of().values() if isinstance(v, Sharded) for _, d in v.boxes]
+    mine = [d.detach().clone() for v in training_state(model, optimizer).values() if isinstance(v, Sharded)
+            for _, d in v.boxes]
     return mine, losses, start
 
 
-def reload_at_half_the_ranks(width: int = 8, steps: int = 2) -> tuple[str, bool]:
-    """Question 24, on every rank: ZeRO-1 with Adam on K ranks saves; ZeRO-2 on K // 2 ranks (at least one),
-    built from another seed, loads it. Returns the files written and whether the parameters and Adam state
-    came back bit for bit and a load with the manifest deleted was refused on every rank."""
-    K, r, k = dist.get_world_size(), dist.get_rank(), max(1, dist.get_world_size() // 2)
-
-    def zero_adam(seed, stage, group=None):
-        model = mlp([width, 3 * width, width], seed=seed).to(launch.device())
-        return model, ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage=stage, group=group, lr=0.01)
-    model, opt = zero_adam(0, 1)
-    random_batch_steps(model, model, opt, steps)
-    where, half = [tempfile.mkdtemp(prefix="mini_dist_recovery_") if r == 0 else None], launch.new_group(range(k))
-    dist.broadcast_object_list(where)
-    path, same, refused = os.path.join(where[0], f"step_{steps:08d}"), torch.ones((), device=launch.device()), False
-    try:
-        checkpoint.save(zero_state(opt), path)
-        files = {f: os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path))}
-        saved = consolidated_state_dict(opt, to=None)
-        if r < k:  # a refused load raises on every rank of `half`: they go on to meet the others below
-            model2, opt2 = zero_adam(1, 2, half)
-            try:
-                load_zero_state(path, opt2, half)
-            except checkpoint.CheckpointError:
-                same.fill_(0)
-            again = consolidated_state_dict(opt2, to=None)
-            same.mul_(all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters())) and all(
-                torch.equal(again["state"][i][n], v) for i, s in saved["state"].items() for n, v in s.items()))
-        dist.all_reduce(same, dist.ReduceOp.MIN)
-        if r == 0:
-            os.remove(os.path.join(path, checkpoint.MANIFEST))
-        dist.barrier()
-        try:
-            checkpoint.load(zero_state(opt), path)
-        except checkpoint.CheckpointError:
-            refused = True
-    finally:
-        if r == 0:
-            shutil.rmtree(where[0], ignore_errors=True)
-    return (f"ZeRO-1 with Adam on {K} ranks saved {', '.join(f'{f} {n:,} B' for f, n in files.items())} (the "
-            f"manifest written last); loaded as ZeRO-2 on {k} ranks: parameters and Adam state bit for bit: "
-            f"{bool(same)}; with the manifest gone, the load is refused on every rank: {refused}"), \
-        bool(same) and refused and len(files) == K + 1 and checkpoint.MANIFEST in files
-
-
 # ----------------------------------------------------------------------------- demo
+
+def join_attempt() -> None:
+    """Join the group of this torchrun attempt. Every attempt gets the agent's TCPStore, where the dead
+    attempt's ranks left their addresses; a new rank may read one and connect to a dead process
+    (pytorch/pytorch#135712). So a restarted attempt keys its own under a prefix; launch.setup() then finds
+    the group made. (The first attempt's store is fresh: it goes through launch.setup() alone.)"""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not dist.is_initialized():
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=launch.timeout())
+        dist.init_process_group(launch.choose_backend(int(os.environ["LOCAL_WORLD_SIZE"])), timeout=launch.timeout(),
+                                store=dist.PrefixStore(f"attempt_{attempt}", store), rank=launch.env_rank(),
+                                world_size=launch.env_world_size())
+
 
 def parser():
     p = launch.demo_parser(__doc__)
@@ -235,19 +220,24 @@ def parser():
 
 
 def demo(args) -> int:
-    K, restarts = launch.env_world_size(), int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    args.kill_rank = K - 1 if args.kill_rank is None else args.kill_rank
+    import tempfile
+    K = launch.env_world_size()
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")  # the same in every attempt of one torchrun run
+    if args.kill_rank is None:
+        args.kill_rank = K - 1
     launch.require(1 <= args.kill_at <= args.steps and min(args.every, args.keep, args.width, args.batch) >= 1,
                    "--kill-at must be within 1..--steps, and --every, --keep, --width, --batch >= 1")
     launch.require(0 <= args.kill_rank < K, f"--kill-rank must be a rank, 0..{K - 1}")
     launch.require(args.samples >= K * args.batch, f"--samples must give every one of the {K} ranks a batch")
     join_attempt()
     env = launch.setup()
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")  # the same in every attempt of one torchrun run
-    where = [args.dir or (os.path.join(tempfile.gettempdir(), f"mini_dist_recovery_{run_id}") if run_id else
-                          tempfile.mkdtemp(prefix="mini_dist_recovery_") if env.rank == 0 else None)]
+    where = [args.dir or (os.path.join(tempfile.gettempdir(), f"mini_dist_recovery_{run_id}") if run_id else None)]
+    if where[0] is None and env.rank == 0:  # no torchrun run to name it after: a fresh one, told to every rank
+        where = [tempfile.mkdtemp(prefix="mini_dist_recovery_")]
     dist.broadcast_object_list(where)
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+    if attempt == "0":
         launch.print0(f"{args.sharding}, K = {K}: a checkpoint every {args.every} steps; rank {args.kill_rank} "
                       f"dies before step {args.kill_at}" + ("" if restarts else " (simulated: torchrun was not "
                                                              "given --max-restarts=1, so nothing would restart)"))
@@ -259,26 +249,21 @@ def demo(args) -> int:
     _, naive_losses, _ = train(args, None, newest, remember=False)  # first: the resumed run prunes `newest`
     resumed, resumed_losses, start = train(args, where[0], newest)
     reference, losses, _ = train(args)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     launch.print0(f"restarted{f' by torchrun (restart {attempt} of {restarts})' if restarts else ''}: resumed from "
                   f"{'step ' + str(start) if newest else 'the start (no complete checkpoint yet)'}, "
                   f"steps lost: {args.kill_at - 1 - start}\n step  uninterrupted  resumed  naive restart (fresh RNG, "
                   f"epoch started over)")
+    marks = {start: " <- resumed here", args.kill_at: " <- the rank died before this step"}
     for i, (a, b, c) in enumerate(zip(losses, resumed_losses, naive_losses)):
-        mark = " <- resumed here" if i + 1 == start else " <- the rank died before this step" if (
-            i + 1 == args.kill_at) else ""
         launch.print0(f"{i + 1:>5}  {a:.10f}  {'=' if a == b else f'{b:.10f}':^7}  "
-                      f"{'=' if a == c else f'{c:.10f}'}{mark}")
+                      f"{'=' if a == c else f'{c:.10f}'}{marks.get(i + 1, '')}")
     same = losses == resumed_losses and all(torch.equal(a, b) for a, b in zip(reference, resumed))
-    figure, holds = reload_at_half_the_ranks()
-    launch.print0(f"the same checkpoint format at another world size: {figure}")
     diverged = newest is None or start == args.steps or naive_losses[start] != losses[start]
     if env.rank == 0 and not args.dir:
         shutil.rmtree(where[0])
-    return launch.conclude("recovery", same and holds, "killed and resumed = uninterrupted, bit for bit "
-                           "(parameters, Adam state, losses); reloaded at K // 2", diverged,
-                           f"lost {args.kill_at - 1 - start} <= E - 1 = {args.every - 1} steps; a naive restart "
-                           f"leaves the curve at step {start + 1}")
+    return launch.conclude("recovery", same, "killed and resumed = uninterrupted, bit for bit (parameters, Adam state, "
+                           "losses)", diverged, f"lost {args.kill_at - 1 - start} <= E - 1 = {args.every - 1} steps; "
+                           f"a naive restart leaves the curve at step {start + 1}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The sharded checkpoint format (mini_dist/checkpoint.py): saved at K ranks, loaded at K' in any layout,
 bit for bit; a save that dies leaves no checkpoint; corruption, disagreement and overlap refused; DCP.
-Then training (mini_dist/reshard.py, recovery.py): ZeRO and FSDP resumed at K' go on as if never stopped;
-a rank killed under torchrun --max-restarts=1 costs nothing but time; the newest N checkpoints are kept.
+Then training (mini_dist/reshard.py, reshard_zero.py, recovery.py): ZeRO and FSDP resumed at K' go on as if
+never stopped; a rank killed under torchrun --max-restarts=1 costs nothing but time; the newest N checkpoints
+are kept.
 
 Every comparison of saved and loaded state is torch.equal: a checkpoint moves bytes, so anything short of
 identical bits is a bug. Only training on after a change of world size may differ, by fp64 rounding.
@@ -19,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import BACKEND, RankFailure, command, device, run
-from mini_dist import checkpoint, recovery, reshard
-from mini_dist.checkpoint import CheckpointError, Sharded, overlap
+from mini_dist import checkpoint, recovery, reshard, reshard_zero
+from mini_dist.checkpoint_plan import Sharded
+from mini_dist.manifest import CheckpointError, overlap
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64,
           "bool": torch.bool}
@@ -382,12 +384,19 @@ def trainer(kind: str, stage: int):
         device(), torch.float64)
     if kind == "zero":
         optimizer = ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage=stage, lr=0.05)
-        state, load = (lambda: reshard.zero_state(optimizer)), (lambda p: reshard.load_zero_state(p, optimizer))
     else:
         model = FullyShardedDataParallel(model)
         optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
-        state = lambda: reshard.module_state(reshard.fsdp_layout(model), optimizer)  # noqa: E731
-        load = lambda p: reshard.load_module_state(p, reshard.fsdp_layout(model), optimizer)  # noqa: E731
+
+    def state() -> dict:
+        if kind == "zero":
+            return reshard_zero.zero_state(optimizer)
+        return reshard.module_state(reshard.fsdp_layout(model), optimizer)
+
+    def load(path: str) -> dict:
+        if kind == "zero":
+            return reshard_zero.load_zero_state(path, optimizer)
+        return reshard.load_module_state(path, reshard.fsdp_layout(model), optimizer)
 
     def train(a: int, b: int) -> list:
         losses = []

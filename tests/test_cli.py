@@ -26,6 +26,7 @@ BAD = {
     "alpha_beta": (4, ["--ranks-per-node", "3"], "ranks-per-node"),
     "buckets": (2, ["--batch", "0"], "--batch"),
     "checkpoint": (2, ["--rows", "0"], "--rows"),
+    "checkpoint_plan": (3, ["--rows", "2"], "--rows"),
     "collectives": (2, ["--rows", "0"], "--rows"),
     "comm": (2, ["--seq", "0"], "--seq"),
     "compression": (2, ["--ranks", "1000"], "--ranks"),
@@ -58,6 +59,7 @@ BAD = {
     "recovery": (2, ["--kill-at", "0"], "--kill-at"),
     "reducer": (2, ["--batch", "0"], "batch"),
     "reshard": (3, ["--width", "4"], "--width"),
+    "reshard_zero": (2, ["--steps", "0"], "--steps"),
     "ring_allreduce": (2, ["--numel", "-1"], "--numel"),
     "ring_pipelined": (2, ["--numel", "3"], "--numel"),
     "selective_checkpoint": (1, ["--heads", "3"], "--heads"),
@@ -88,7 +90,8 @@ def command_line(module, argv, world=1, monkeypatch=None):
     m = importlib.import_module(f"mini_dist.{module}")
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(sys, "argv", [f"mini_dist/{module.replace('.', '/')}.py", *argv])  # argparse names the program from it
+    # argparse names the program from it
+    monkeypatch.setattr(sys, "argv", [f"mini_dist/{module.replace('.', '/')}.py", *argv])
     return launch.main(m.parser(), m.demo, argv)
 
 
@@ -332,5 +335,6 @@ def test_every_questions_command_is_a_demo_its_parser_accepts_and_the_readme_ask
         words = shlex.split(q.command)
         assert words[:2] == ["./run.sh", "demo"] and words[2].replace("/", ".") in DEMOS + ["planner"], q.command
         args = words[4:] if len(words) > 3 and words[3].isdigit() else words[3:]
-        importlib.import_module(f"mini_dist.{words[2].replace('/', '.')}").parser().parse_args(args)  # SystemExit if not
+        # SystemExit if not
+        importlib.import_module(f"mini_dist.{words[2].replace('/', '.')}").parser().parse_args(args)
         assert "./run.sh ask --markdown" in readme, "README does not say how to print the questions page"

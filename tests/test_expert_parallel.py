@@ -166,6 +166,7 @@ def test_strided_expert_groups_side_by_side_in_a_larger_pool(pool):
     assert results[4:] == [None] * (pool - 4)
     assert run(pool, all_to_all_worker, 3, 2, True, "float64", (2,))[:4] == [True] * 4
 
+
 # ----- the point-to-point all-to-all -----
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "int64": torch.int64, "uint8": torch.uint8}

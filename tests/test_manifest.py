@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 
 from harness import device, run
 from mini_dist import checkpoint, manifest
-from mini_dist.checkpoint import CheckpointError, Sharded
+from mini_dist.checkpoint_plan import Sharded
+from mini_dist.manifest import CheckpointError
 from test_checkpoint import cut
 
 MEMORY_SLACK = 512 << 20

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mini_dist import bench, checkpoint
+from mini_dist.checkpoint_plan import Sharded
 from mini_dist.kit import launch
 
 SHAPES, REPEATS = [(1024, 1024), (2048, 1024), (4096, 1024), (1024, 1024)], 5
@@ -39,27 +40,39 @@ def rows(n: int, rank: int, world: int) -> tuple:
 
 
 def sizes(path: str) -> dict:
+    """{file: bytes} of a checkpoint directory."""
     return {f: os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)}
+
+
+def data(files: dict, meta: str) -> int:
+    """The bytes of a checkpoint's files but its metadata file."""
+    return sum(v for f, v in files.items() if f != meta)
 
 
 def checkpoints(args) -> list[bench.Result]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), launch.device()
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    dev = launch.device()
     mesh = DeviceMesh.from_group(dist.group.WORLD, dev.type)
     g = torch.Generator().manual_seed(0)
-    ours, native, empty_ours, empty_native = {}, {}, {}, {}
+    ours = {}          # the state saved, as mini_dist's boxes
+    native = {}        # the same, as DTensors
+    empty_ours = {}    # zeros that each load fills
+    empty_native = {}
     for i, shape in enumerate(SHAPES):
         lo, hi = rows(shape[0], rank, world)
         local = torch.randn(shape, generator=g)[lo:hi].clone().to(dev)  # the same global tensor on every rank
         for mine, theirs, t in ((ours, native, local), (empty_ours, empty_native, torch.zeros_like(local))):
-            mine[f"t{i}"] = checkpoint.Sharded(shape, t.dtype, (((lo, 0), t),))
+            mine[f"t{i}"] = Sharded(shape, t.dtype, (((lo, 0), t),))
             theirs[f"t{i}"] = DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
                                                  stride=(shape[1], 1))
     where = [tempfile.mkdtemp(prefix="mini_dist_bench_checkpoint_") if rank == 0 else None]
     dist.broadcast_object_list(where)
-    ids, last = count(), {}
+    ids = count()
+    last = {}  # side -> the directory it saved to last
 
     def save(side):
         def run():
@@ -75,9 +88,9 @@ def checkpoints(args) -> list[bench.Result]:
                                  lambda: dcp.load(empty_native, checkpoint_id=last["dcp"]), REPEATS, 1.5))
     equal = all(torch.equal(empty_ours[n].boxes[0][1], ours[n].boxes[0][1]) and
                 torch.equal(empty_native[n].to_local(), native[n].to_local()) for n in ours)
-    mine, theirs = sizes(last["ours"]), sizes(last["dcp"])
+    mine = sizes(last["ours"])
+    theirs = sizes(last["dcp"])
     state = sum(4 * a * b for a, b in SHAPES)
-    data = lambda files, meta: sum(v for f, v in files.items() if f != meta)  # noqa: E731
     results[0].note = (f"{state / 2**20:.0f} MiB of state; on disk: mini_dist {data(mine, checkpoint.MANIFEST):,} B "
                        f"+ {mine[checkpoint.MANIFEST]:,} B manifest, DCP {data(theirs, '.metadata'):,} B + "
                        f"{theirs['.metadata']:,} B .metadata")

@@ -19,11 +19,14 @@ def uneven_splits(W, rows, seed=0):
 
 
 def all_to_all_rows(args) -> list[bench.Result]:
-    W, me, dev = dist.get_world_size(), dist.get_rank(), launch.device()
+    W = dist.get_world_size()
+    me = dist.get_rank()
+    dev = launch.device()
     results = []
     for rows, h in [(512, 256), (4096, 1024)]:  # ~0.5 MiB and 16 MiB per rank
         splits = uneven_splits(W, rows)
-        send, recv = splits[me].tolist(), splits[:, me].tolist()
+        send = splits[me].tolist()
+        recv = splits[:, me].tolist()
         x = torch.randn(sum(send), h, device=dev)
         out = x.new_empty((sum(recv), h))
         results.append(bench.compare(
@@ -34,8 +37,11 @@ def all_to_all_rows(args) -> list[bench.Result]:
 
 
 def moe_layer(args) -> list[bench.Result]:
-    W, me, dev = dist.get_world_size(), dist.get_rank(), launch.device()
-    h, E, n = 256, 2 * W, 1024 + 128 * me  # uneven tokens per rank
+    W = dist.get_world_size()
+    dev = launch.device()
+    h = 256
+    E = 2 * W
+    n = 1024 + 128 * dist.get_rank()  # uneven tokens per rank
     torch.manual_seed(0)
     dense = MoE(h, 2 * h, E, k=2, capacity_factor=1.25, device=dev)
     layers = {name: ep.shard_from_dense(ep.ExpertParallelMoE(h, 2 * h, E, 2, 1.25, transport=transport,
