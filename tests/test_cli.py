@@ -75,6 +75,7 @@ BAD = {
     "zero_ledger": (2, ["--widths", "0"], "--widths"),
     "kit.debug": (1, [], "2 or more ranks"),
     "nccl_order": (1, [], "2 or more ranks"),
+    "nccl_rule": (1, ["--ranks", "1"], "--ranks"),
     "pipeline_agreement": (1, [], "at least 2 ranks"),
     "pipeline_stages": (4, ["--layers", "3"], "--layers"),
     "kit.measure": (1, ["--width", "0"], "--width"),
