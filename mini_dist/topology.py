@@ -116,6 +116,7 @@ def _fold(flat, op, group, name):
 
 
 def _unfold(flat, v, r, group, name) -> None:
+    """The fold undone: rank 2i+1 hands the result back to rank 2i, which waited, for i < r."""
     me = dist.get_rank(group)
     if me < 2 * r:
         send_recv(flat if v is not None else None, me ^ 1, flat if v is None else None, me ^ 1, group, name)
