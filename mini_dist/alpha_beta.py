@@ -12,6 +12,10 @@ nodes), each with its own alpha and beta. The same schedules give the bytes each
 for small D (alpha dominates), few bytes for large D (beta dominates); `crossover` finds the size between.
 alpha and beta are fitted here by least squares on ping-pongs between ranks 0 and 1.
 
+`Links` is the model's other side, measured: it sorts the bytes of every message the wire sends by the kind
+of link it crosses, and can put a SIMULATED slow link between nodes (before each inter-node send, a sleep of
+alpha + bytes * beta: there is no second machine here). topology.py runs its all-reduces on it.
+
     torchrun --standalone --nproc_per_node=4 mini_dist/alpha_beta.py [--ranks-per-node 2] [--slow-link-us 300]
 
 Mirrors the tuning tables inside NCCL (ring or tree by size) and the model of Thakur, Rabenseifner & Gropp 2005.
@@ -29,6 +33,7 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.kit import launch
 from mini_dist.kit.timing import median
+from mini_dist.kit.wire import LEDGER
 
 ALGORITHMS = ["ring", "hierarchical", "recursive doubling", "halving-doubling"]
 
@@ -42,7 +47,8 @@ def real_rank(v: int, r: int) -> int:
 def schedule(algorithm: str, N: int, G: int) -> list[list[tuple[int, int, Fraction]]]:
     """Each step: the messages (sender, receiver, fraction of D) that travel at once. Exact when D splits
     evenly; the same list gives the byte ledger (link_bytes) and the alpha-beta time (predict)."""
-    n, p = N // G, 1 << (N.bit_length() - 1)
+    n = N // G                      # nodes
+    p = 1 << (N.bit_length() - 1)   # the largest power of two <= N
     r = N - p
     if algorithm == "ring":
         return [[(q, (q - 1) % N, Fraction(1, N)) for q in range(N)]] * (2 * (N - 1))
@@ -50,14 +56,20 @@ def schedule(algorithm: str, N: int, G: int) -> list[list[tuple[int, int, Fracti
         inside = [[(q, q // G * G + (q - 1) % G, Fraction(1, G)) for q in range(N)]] * (G - 1)
         return inside + [[(q, (q - G) % N, Fraction(1, N)) for q in range(N)]] * (2 * (n - 1)) + inside
     masks = [1 << k for k in range(p.bit_length() - 1)]
-    pair = lambda mask, f: [(real_rank(v, r), real_rank(v ^ mask, r), f) for v in range(p)]  # noqa: E731
     if algorithm == "recursive doubling":
-        middle = [pair(m, Fraction(1)) for m in masks]
+        middle = [partners(m, Fraction(1), p, r) for m in masks]
     else:
-        middle = [pair(m, Fraction(1, 2 * m)) for m in masks] + [pair(m, Fraction(1, 2 * m)) for m in masks[::-1]]
+        halving = [partners(m, Fraction(1, 2 * m), p, r) for m in masks]
+        middle = halving + halving[::-1]
     fold = [[(2 * i, 2 * i + 1, Fraction(1)) for i in range(r)]]
     unfold = [[(2 * i + 1, 2 * i, Fraction(1)) for i in range(r)]]
     return (fold if r else []) + middle + (unfold if r else [])
+
+
+def partners(mask: int, f: Fraction, p: int, r: int) -> list[tuple[int, int, Fraction]]:
+    """One step of the doubling algorithms: each of the p ranks that go on sends f of D to the one whose
+    virtual rank differs from its own in the bit `mask`."""
+    return [(real_rank(v, r), real_rank(v ^ mask, r), f) for v in range(p)]
 
 
 def link_kind(src: int, dst: int, G: int) -> str:
@@ -75,23 +87,38 @@ def link_bytes(steps, nbytes: int, G: int) -> dict[str, int]:
 
 def predict(steps, nbytes: float, G: int, links: dict) -> float:
     """alpha-beta seconds: each step lasts as long as its slowest message; links[kind] = (alpha, beta)."""
-    cost = lambda s, d, f: links[link_kind(s, d, G)][0] + float(f) * nbytes * links[link_kind(s, d, G)][1]  # noqa: E731
-    return sum(max(cost(*message) for message in step) for step in steps if step)
+    slowest = [max(message_seconds(src, dst, f, nbytes, G, links) for src, dst, f in step) for step in steps if step]
+    return sum(slowest)
+
+
+def message_seconds(src: int, dst: int, f: Fraction, nbytes: float, G: int, links: dict) -> float:
+    """alpha + b * beta for the f * nbytes that src sends dst, on the link between them."""
+    alpha, beta = links[link_kind(src, dst, G)]
+    return alpha + float(f) * nbytes * beta
 
 
 def crossover(a: str, b: str, lo: float, hi: float, N: int, G: int, links: dict) -> float:
     """The size in [lo, hi] where the model prices a and b the same (bisection on a log scale)."""
-    gap = lambda D: predict(schedule(a, N, G), D, G, links) - predict(schedule(b, N, G), D, G, links)  # noqa: E731
+    def a_slower(D):
+        """Whether the model prices a above b for D bytes."""
+        return predict(schedule(a, N, G), D, G, links) > predict(schedule(b, N, G), D, G, links)
     for _ in range(60):
         mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if (gap(mid) > 0) == (gap(lo) > 0) else (lo, mid)
+        if a_slower(mid) == a_slower(lo):
+            lo = mid
+        else:
+            hi = mid
     return lo
 
 
 def crossovers(best: list[str], sizes: list[int], N: int, G: int, links: dict) -> list[str]:
     """Where the fastest algorithm changes between consecutive sizes, and at which size, as lines."""
-    at = lambda i: crossover(best[i], best[i + 1], sizes[i], sizes[i + 1], N, G, links) / 1024  # noqa: E731
-    return [f"{best[i]} -> {best[i + 1]} at {at(i):,.0f} KiB" for i in range(len(sizes) - 1) if best[i] != best[i + 1]]
+    lines = []
+    for i in range(len(sizes) - 1):
+        if best[i] != best[i + 1]:
+            at = crossover(best[i], best[i + 1], sizes[i], sizes[i + 1], N, G, links)
+            lines.append(f"{best[i]} -> {best[i + 1]} at {at / 1024:,.0f} KiB")
+    return lines
 
 
 def winners(times: dict[str, list[float]]) -> list[str]:
@@ -101,7 +128,8 @@ def winners(times: dict[str, list[float]]) -> list[str]:
 
 def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
     """Least squares for seconds = alpha + bytes * beta."""
-    mx, my = sum(sizes) / len(sizes), sum(seconds) / len(seconds)
+    mx = sum(sizes) / len(sizes)
+    my = sum(seconds) / len(seconds)
     beta = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sum((x - mx) ** 2 for x in sizes)
     return my - beta * mx, beta
 
@@ -109,7 +137,9 @@ def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
 def ping_pong(nbytes: int, repeats: int = 9, group=None) -> float:
     """One-way seconds of an nbytes message between group ranks 0 and 1: half the median round trip.
     Blocking sends and receives in matching order (0 sends first, 1 receives first): safe under NCCL too."""
-    me, buf, times = dist.get_rank(group), torch.zeros(nbytes, dtype=torch.uint8, device=launch.device()), []
+    me = dist.get_rank(group)
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=launch.device())
+    times = []
     for _ in range(repeats):
         dist.barrier(group=group)
         start = time.perf_counter()
@@ -128,17 +158,48 @@ def fitted_links(slow_us: float, slow_mbps: float, group=None) -> dict:
     """{"intra": (alpha, beta)} fitted by ping-pong on this machine; "inter": the same plus a SIMULATED
     slow link (slow_us more per message, a slow_mbps cap; 0: none)."""
     sizes = [1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22]
-    alpha, beta = fit_alpha_beta(sizes, [ping_pong(b, group=group) for b in sizes]) \
-        if dist.get_world_size(group) > 1 else (0.0, 0.0)
-    return {"intra": (alpha, beta), "inter": (alpha + slow_us * 1e-6, beta + (1e-6 / slow_mbps if slow_mbps else 0.0))}
+    alpha = 0.0  # one rank: no link to fit
+    beta = 0.0
+    if dist.get_world_size(group) > 1:
+        alpha, beta = fit_alpha_beta(sizes, [ping_pong(b, group=group) for b in sizes])
+    slow_beta = 1e-6 / slow_mbps if slow_mbps else 0.0
+    return {"intra": (alpha, beta), "inter": (alpha + slow_us * 1e-6, beta + slow_beta)}
+
+
+class Links:
+    """with Links(G, group) as links: ...  ->  links.sent = {"intra": bytes, "inter": bytes} this rank sent.
+
+    Every message sent inside the block (the kit's wire: the rings, topology's all-reduces) is sorted by the
+    link it crosses as it is posted: a watcher of the wire's LEDGER. With delay_s or bandwidth, a send between
+    nodes first waits delay_s + bytes / bandwidth: a SIMULATED slow link, alpha and 1 / beta."""
+
+    def __init__(self, ranks_per_node: int, group=None, delay_s: float = 0.0, bandwidth: float = math.inf):
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+        self.node = {rank: i // ranks_per_node for i, rank in enumerate(ranks)}
+        self.delay_s = delay_s
+        self.bandwidth = bandwidth
+        self.sent = {"intra": 0, "inter": 0}
+
+    def before_send(self, event: str, peer, group, nbytes: int, kind, label) -> None:
+        if event == "send":
+            link = "intra" if self.node[peer] == self.node[dist.get_rank()] else "inter"
+            self.sent[link] += nbytes
+            if link == "inter" and (self.delay_s or self.bandwidth < math.inf):
+                time.sleep(self.delay_s + nbytes / self.bandwidth)
+
+    def __enter__(self):
+        LEDGER.watchers.append(self.before_send)
+        return self
+
+    def __exit__(self, *exc):
+        LEDGER.watchers.remove(self.before_send)
 
 
 # ----------------------------------------------------------------------------- demo
 
 
-def parser(doc: str = __doc__):
-    """The nodes and the simulated slow link, shared with topology's demo (which prices and times the same)."""
-    p = launch.demo_parser(doc)
+def parser():
+    p = launch.demo_parser(__doc__)
     p.add_argument("--ranks-per-node", type=int, default=2, help="G: consecutive ranks that share a node")
     p.add_argument("--slow-link-us", type=float, default=300.0,
                    help="SIMULATED extra latency of every inter-node message, microseconds (0: none)")
@@ -149,14 +210,16 @@ def parser(doc: str = __doc__):
 
 
 def demo(args) -> int:
-    N, G = launch.env_world_size(), args.ranks_per_node
+    N = launch.env_world_size()
+    G = args.ranks_per_node
     launch.require(G >= 1 and N % G == 0, f"--ranks-per-node {G} does not divide {N} ranks into equal nodes; "
                    f"use one of {[g for g in range(1, N + 1) if N % g == 0]}")
     launch.require(min(args.sizes_kib) >= 1 and min(args.slow_link_us, args.slow_link_mbps) >= 0,
                    "--sizes-kib must be >= 1, the slow link >= 0")
     launch.setup()
     links = fitted_links(args.slow_link_us, args.slow_link_mbps)
-    (alpha, beta), kib = links["intra"], [k * 1024 for k in args.sizes_kib]
+    alpha, beta = links["intra"]
+    kib = [k * 1024 for k in args.sizes_kib]
     launch.print0(f"fitted by ping-pong between ranks 0 and 1: alpha = {alpha * 1e6:.1f} us, beta = "
                   f"{beta * 1e9:.3f} ns/B; SIMULATED inter-node link: +{args.slow_link_us:g} us per message, "
                   f"{args.slow_link_mbps:g} MB/s\n\npredicted ms for one all-reduce of D bytes per rank, {N} ranks "

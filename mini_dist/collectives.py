@@ -10,11 +10,13 @@ moves it back. With T ranks and a tensor of D bytes:
     reduce_scatter(x, dim)   rank r gets slice r of the sum             counted: D (the whole input)
     split(x, dim)            rank r keeps slice r                       no communication
     equal_all_to_all(x, a, b) block j along a to rank j, concatenated along b   counted: (T-1)/T * D
+    rows_all_to_all(x, s, r)  s[j] rows to rank j, r[j] from it (uneven)      counted: the rows that leave
 
 COUNTER (the kit's one ledger, kit/wire.py's LEDGER, which also counts every message) records calls and payload
 bytes per kind, the figure the ring formulas call D; a group of one communicates nothing and counts nothing.
 Under MINI_DIST_DEBUG=1 each is first agreed on (kit/debug.py).
-mini_dist/comm.py wraps them in autograd functions, each backward the conjugate collective.
+mini_dist/comm.py wraps them in autograd functions, each backward the conjugate collective (the all-to-alls:
+mini_dist/all_to_all.py). The demo checks each against its one-process meaning and COUNTER against the formulas:
 
     torchrun --standalone --nproc_per_node=4 mini_dist/collectives.py [--rows 2]
 
@@ -116,8 +118,7 @@ def equal_all_to_all(x, scatter_dim, gather_dim, group=None):
     return torch.cat(out.chunk(T, scatter_dim), gather_dim)  # source j's block is slice j along gather_dim
 
 
-# ----- demo: each collective against its one-process meaning, and what COUNTER counted -----
-
+# ----------------------------------------------------------------------------- demo
 
 def parser():
     p = launch.demo_parser(__doc__)
@@ -128,7 +129,8 @@ def parser():
 def demo(args) -> int:
     launch.require(args.rows >= 1, f"--rows must be at least 1, got {args.rows}")
     env = launch.setup()
-    T, r = env.world_size, env.rank
+    T = env.world_size
+    r = env.rank
     g = torch.Generator().manual_seed(r)
     x = torch.randint(-8, 8, (T * args.rows, 3), generator=g, dtype=torch.float64).to(env.device)  # exact sums
     everyone = [torch.empty_like(x) for _ in range(T)]

@@ -10,20 +10,18 @@ here is an explicit autograd function with one job, and its backward is the *con
     split_to_tp                        split (keep my slice)   all-gather               a row layer's whole input
     gather_from_sp                     all-gather (seq)        reduce-scatter (seq)     SP, a column layer
     reduce_scatter_to_sp               reduce-scatter (seq)    all-gather (seq)         SP, a row layer
-    all_to_all                         all-to-all (a -> b)     all-to-all (b -> a)      Ulysses attention
-    all_to_all_rows                    rows to their ranks     rows back to senders     MoE dispatch/combine
 
 Why is the backward of an all-gather a split in one place and a reduce-scatter in another? If every rank
 uses the gathered tensor the same way, every rank already holds the whole gradient and keeps its slice.
 If each rank feeds it to its own shard of a layer, each holds only a partial sum of the gradient: the
 pieces must be summed, and each rank keeps its slice of the sum, which is a reduce-scatter. f and g are
 the same pair at the level of a sum: g's output y = sum_i y_i, so dy reaches every y_i unchanged.
-An all-to-all only moves blocks between ranks (a permutation), and the gradient of a permutation is its
-inverse: the same all-to-all with the roles of the two dims (or of the send and receive counts) swapped.
 
 The collectives themselves, along any dim, are mini_dist/collectives.py's: each counted in `COUNTER`
 (calls and payload bytes per kind) and, with MINI_DIST_DEBUG=1, first agreed on across ranks (kit/debug.py):
-a rank passing another shape is named on every rank, not a hang or a silently wrong sum.
+a rank passing another shape is named on every rank, not a hang or a silently wrong sum. The all-to-alls of
+Ulysses and MoE, whose backward is the reverse trip, are mini_dist/all_to_all.py's; every layer imports its
+communication from here, those two included.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/comm.py [--batch 2 --seq 2 --hidden 3]
 
@@ -38,9 +36,9 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mini_dist.all_to_all import all_to_all, all_to_all_rows  # noqa: F401  (the layers import these from here)
 from mini_dist.collectives import (COUNTER, all_gather, all_reduce,  # noqa: F401
-                                   all_to_all_single, check_divisible, equal_all_to_all, reduce_scatter,
-                                   rows_all_to_all, split)
+                                   all_to_all_single, check_divisible, reduce_scatter, split)
 from mini_dist.kit import launch
 from mini_dist.kit.debug import Disagreement, agree  # noqa: F401  (the layers import these from here)
 
@@ -93,7 +91,8 @@ class GatherFromParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
+        ctx.dim = dim
+        ctx.group = group
         return all_gather(x, dim, group)          # [.., n, ..] -> [.., T*n, ..]
 
     @staticmethod
@@ -106,7 +105,8 @@ class ScatterToParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
+        ctx.dim = dim
+        ctx.group = group
         return split(x, dim, group)               # [.., T*n, ..] -> [.., n, ..]
 
     @staticmethod
@@ -119,7 +119,8 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
+        ctx.dim = dim
+        ctx.group = group
         return all_gather(x, dim, group)          # [b, s/T, h] -> [b, s, h]
 
     @staticmethod
@@ -132,39 +133,13 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
+        ctx.dim = dim
+        ctx.group = group
         return reduce_scatter(x, dim, group)      # [b, s, h] partial -> [b, s/T, h] summed
 
     @staticmethod
     def backward(ctx, grad):
         return all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class AllToAll(torch.autograd.Function):
-    """Forward: scatter along scatter_dim, gather along gather_dim. Backward: the same with the dims swapped."""
-
-    @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim, group):
-        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
-        return equal_all_to_all(x, scatter_dim, gather_dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return equal_all_to_all(grad, ctx.dims[1], ctx.dims[0], ctx.group), None, None, None
-
-
-class AllToAllRows(torch.autograd.Function):
-    """Forward: rows to ranks by send_counts (uneven), receiving recv_counts. Backward: the reverse trip."""
-
-    @staticmethod
-    def forward(ctx, x, send_counts, recv_counts, group, transport):
-        ctx.counts, ctx.group, ctx.transport = (send_counts, recv_counts), group, transport
-        return rows_all_to_all(x, send_counts, recv_counts, group, transport)
-
-    @staticmethod
-    def backward(ctx, grad):
-        send_counts, recv_counts = ctx.counts
-        return rows_all_to_all(grad, recv_counts, send_counts, ctx.group, ctx.transport), None, None, None, None
 
 
 def f(x, group=None):
@@ -196,22 +171,11 @@ def split_to_sp(x, group=None, dim=SEQ):
     return ScatterToParallelRegion.apply(x, dim, group)
 
 
-def all_to_all(x, scatter_dim, gather_dim, group=None):
-    return AllToAll.apply(x, scatter_dim, gather_dim, group)
+# ----------------------------------------------------------------------------- what each means in one process
 
-
-def all_to_all_rows(x, send_counts, recv_counts, group=None, transport=None):
-    """Rows of x to their ranks (send_counts[j] rows to rank j), with the reverse trip as gradient.
-    `transport(out, x, output_splits, input_splits, group)` moves the rows: dist.all_to_all_single by
-    default (comm.all_to_all_single), or a point-to-point version (mini_dist.expert_parallel)."""
-    return AllToAllRows.apply(x, tuple(send_counts), tuple(recv_counts), group, transport or all_to_all_single)
-
-
-# ----- demo: every operator against the one-process computation it stands for -----
-
-# name: (the operator, what its input is, what its output is, the one-process meaning). An input or output
-# is "replicated" (the same on every rank, counted once), "shard" (rank r holds slice r of one tensor) or
-# "own" (each rank's own tensor: a partial sum, or a copy that each rank uses differently).
+# name: (the operator, what its input is, what its output is, the one-process meaning: every rank's output from
+# everyone's inputs X). An input or output is "replicated" (the same on every rank, counted once), "shard" (rank
+# r holds slice r of one tensor) or "own" (each rank's own: a partial sum, or a copy each rank uses its way).
 CASES = {
     "f": (f, "replicated", "own", lambda X, T: [X[0]] * T),
     "g": (g, "own", "replicated", lambda X, T: [sum(X)] * T),
@@ -219,8 +183,6 @@ CASES = {
     "split_to_tp": (split_to_tp, "replicated", "shard", lambda X, T: list(X[0].chunk(T, -1))),
     "gather_from_sp": (gather_from_sp, "shard", "own", lambda X, T: [torch.cat(X, SEQ)] * T),
     "reduce_scatter_to_sp": (reduce_scatter_to_sp, "own", "shard", lambda X, T: list(sum(X).chunk(T, SEQ))),
-    "all_to_all": (lambda x, grp: all_to_all(x, -1, SEQ, grp), "shard", "shard",
-                   lambda X, T: list(torch.cat(X, SEQ).chunk(T, -1))),
 }
 
 
@@ -230,21 +192,29 @@ def input_shape(name: str, b: int, s: int, h: int, T: int) -> tuple:
     return (b, s, h // T) if name == "gather_from_tp" else (b, s // T, h) if given == "shard" else (b, s, h)
 
 
+# ----------------------------------------------------------------------------- demo
+
+def drawn(seed: int, size) -> torch.Tensor:
+    """Small integers in fp64, drawn on the CPU (the same numbers on any device): every sum exact."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 8, size, generator=g, dtype=torch.float64).to(launch.device())
+
+
 def check_operator(name: str, shape, seed: int = 0, group=None) -> tuple[float, int]:
     """Run operator `name` on this rank's input and backpropagate this rank's output weights; then redo it
     in one process on everyone's inputs and weights, with autograd. Returns (largest difference of output or
     input gradient, payload bytes counted). Integer-valued fp64 data: every sum is exact in any order."""
     op, given, made, meaning = CASES[name]
-    T, r = dist.get_world_size(group), dist.get_rank(group)
-    draw = lambda k, size: torch.randint(-8, 8, size, generator=torch.Generator().manual_seed(  # noqa: E731
-        seed * 100 + k), dtype=torch.float64).to(launch.device())  # drawn on the CPU: the same numbers on any device
-    x = draw(0 if given == "replicated" else 1 + r, shape).requires_grad_()
+    T = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    x = drawn(seed * 100 + (0 if given == "replicated" else 1 + r), shape).requires_grad_()
     COUNTER.reset()
     y = op(x, group)
-    w = draw(50 if made == "replicated" else 51 + r, y.shape)  # a replicated output: one loss, every rank
+    w = drawn(seed * 100 + (50 if made == "replicated" else 51 + r), y.shape)  # replicated: one loss, every rank
     (y * w).sum().backward()
     nbytes = sum(COUNTER.bytes.values())
-    xs, ws = [torch.empty_like(x) for _ in range(T)], [torch.empty_like(w) for _ in range(T)]
+    xs = [torch.empty_like(x) for _ in range(T)]
+    ws = [torch.empty_like(w) for _ in range(T)]
     dist.all_gather(xs, x.detach(), group=group)
     dist.all_gather(ws, w, group=group)
     X = [xs[0].requires_grad_()] * T if given == "replicated" else [t.requires_grad_() for t in xs]
@@ -267,19 +237,23 @@ def demo(args) -> int:
     launch.require(min(args.batch, args.seq, args.hidden) >= 1, "--batch, --seq and --hidden must be >= 1")
     env = launch.setup()
     T = env.world_size
-    b, s, h = args.batch, args.seq * T, args.hidden * T
+    b = args.batch
+    s = args.seq * T
+    h = args.hidden * T
     launch.print0(f"each operator against its one-process meaning (autograd on everyone's tensors), {T} ranks, "
                   f"full tensor [b, s, h] = [{b}, {s}, {h}]:\n  {'operator':<21}{'input':>10} -> {'output':<11}"
                   f"{'max diff':>9}  payload on this rank, B (formula)")
-    worst, sizes_ok, D = 0.0, True, b * s * h * 8
-    # what COUNTER records, forward + backward: D for each all-reduce, all-gather and reduce-scatter (the
-    # whole tensor); (T-1)/T of the rank's slice for each all-to-all (what leaves the rank)
+    D = b * s * h * 8
+    worst = 0.0
+    sizes_ok = True
+    # what COUNTER records, forward + backward: D (the whole tensor) for each all-reduce, gather, reduce-scatter
     payload = {"f": D, "g": D, "gather_from_tp": D, "split_to_tp": D, "gather_from_sp": 2 * D,
-               "reduce_scatter_to_sp": 2 * D, "all_to_all": 2 * (T - 1) * D // T ** 2}
+               "reduce_scatter_to_sp": 2 * D}
     for name, (_, given, made, _) in CASES.items():
         diff, nbytes = check_operator(name, input_shape(name, b, s, h, T), args.seed)
         want = payload[name] if T > 1 else 0
-        worst, sizes_ok = max(worst, diff), sizes_ok and nbytes == want
+        worst = max(worst, diff)
+        sizes_ok = sizes_ok and nbytes == want
         launch.print0(f"  {name:<21}{given:>10} -> {made:<11}{diff:>9.0e}  {nbytes:>7,} B ({want:,})")
     return launch.conclude("comm", worst == 0.0, "every backward = conjugate collective, exact", sizes_ok,
                            f"payload bytes = formulas for {len(CASES)} operators")

@@ -16,7 +16,8 @@ rank c chunk c, the layout gloo uses (chunk_bounds), so chunk c is summed in the
 ... + x[c]. Floating-point addition is not associative; with the same order our result equals gloo's bit
 for bit. Each step is one `send_recv` of the kit's wire (mini_dist/kit/wire.py: one batch, safe under NCCL,
 counted in its LEDGER). The naive way comes first, then the ring; mini_dist/ring_pipelined.py runs the same
-steps as one pipelined stream, tuned for gloo, and is what the library calls.
+steps as one pipelined stream, tuned for gloo, and is what the library calls. The demo checks all three
+against gloo, counts the bytes beside the formulas, and draws who holds what after each step:
 
     torchrun --standalone --nproc_per_node=4 mini_dist/ring_allreduce.py [--numel 1048579]
 
@@ -60,7 +61,8 @@ def naive_all_reduce(tensor: torch.Tensor, op=SUM, group=None) -> torch.Tensor:
     """The baseline: everyone sends to rank 0, which reduces and sends the result back to everyone.
     Rank 0 receives and sends (N-1) * D bytes; the ring needs 2(N-1)/N * D on every rank."""
     check_collective(tensor, op, group, "naive_all_reduce")
-    me, n = dist.get_rank(group), dist.get_world_size(group)
+    me = dist.get_rank(group)
+    n = dist.get_world_size(group)
     flat = tensor.reshape(-1).clone()
     if me == 0:
         incoming = torch.empty_like(flat)
@@ -166,24 +168,29 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> to
     return output
 
 
-# ----------------------------------------------------------------------------- what the demo measures
+def bytes_sent(all_reduce, x: torch.Tensor, group=None) -> list[int]:
+    """What each rank of the group sent in one all_reduce of a copy of x, counted by the wire's LEDGER: the
+    figure beside 2(N-1)/N * D (the ring) and (N-1) * D (the naive root). In rank order."""
+    LEDGER.reset()
+    all_reduce(x.clone(), group=group)
+    everyone = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=x.device)
+    dist.all_gather_single(everyone, torch.tensor([LEDGER.sent], device=x.device), group=group)
+    return everyone.tolist()
 
 
-def _total(x: float, op=SUM, group=None) -> float:
-    t = torch.tensor([float(x)], dtype=torch.float64, device=launch.device())
-    dist.all_reduce(t, op=op, group=group)
-    return t.item()
-
+# ----------------------------------------------------------------------------- demo
 
 def ring_step_picture(group=None) -> tuple[str, bool]:
-    """Who holds what after each step of one textbook ring all-reduce, recorded from the run itself: rank r's
-    tensor starts as 2^r (int64, two elements per chunk), so a chunk's value names the ranks summed into it,
-    and each batch_isend_irecv the ring posts is intercepted to note the state and the chunk sent. Returns
-    (the table, whether rank r holds chunk r complete after N-1 steps and every rank all of it after 2(N-1))."""
-    r, n = dist.get_rank(group), dist.get_world_size(group)
+    """Who holds what after each step of one textbook ring all-reduce, recorded from the run: rank r starts with
+    2^r (int64, two elements a chunk), so a chunk's value names the ranks summed into it; each batch the ring
+    posts is intercepted to note the state and the chunk sent. -> (the table, whether each step left it right)."""
+    r = dist.get_rank(group)
+    n = dist.get_world_size(group)
     x = torch.full((2 * n,), 1 << r, dtype=torch.int64, device=launch.device())
     starts = [a for a, _ in chunk_bounds(x.numel(), n, x.element_size())]
-    states, sent, real = [], [-1], dist.batch_isend_irecv
+    states = []   # x before each step
+    sent = [-1]   # the chunk sent at each step (none before the first)
+    real = dist.batch_isend_irecv
 
     def recording(ops):
         states.append(x.clone())
@@ -198,87 +205,35 @@ def ring_step_picture(group=None) -> tuple[str, bool]:
     everyone = torch.empty(n * len(rows) * (n + 1), dtype=torch.int64, device=launch.device())
     dist.all_gather_single(everyone, torch.tensor(rows, device=launch.device()).view(-1), group=group)
     seen = everyone.view(n, len(rows), n + 1).tolist()  # [rank, row, chunk counts + the chunk sent]
-    label = lambda k: "start" if k == 0 else f"reduce-scatter {k}" if k < n else f"all-gather {k - n + 1}"  # noqa: E731
-    cell = lambda q, k: "".join(f"{c:>2}{'<' if j == seen[q][k][n] else ' '}"  # noqa: E731
-                                for j, c in enumerate(seen[q][k][:n]))
     lines = [f"{'after step':<18}" + "".join(f" rank {q:<{3 * n - 4}}" for q in range(n))]
-    lines += [f"{label(k):<18}" + "".join(cell(q, k) + "  " for q in range(n)) for k in range(len(rows))]
+    for k in range(len(rows)):
+        step = "start" if k == 0 else f"reduce-scatter {k}" if k < n else f"all-gather {k - n + 1}"
+        cells = ["".join(f"{c:>2}{'<' if j == seen[q][k][n] else ' '}" for j, c in enumerate(seen[q][k][:n]))
+                 for q in range(n)]
+        lines.append(f"{step:<18}" + "".join(cell + "  " for cell in cells))
     ok = all(seen[q][n - 1][q] == n and seen[q][-1][:n] == [n] * n for q in range(n))
     return (f"one ring all-reduce on {n} ranks, step by step: how many ranks' data each chunk holds ({n} = fully "
             f"reduced); < = the chunk the rank sent to its left at that step (recorded: rank r starts with 2^r, so "
             f"a chunk's value names the ranks summed into it)\n" + "\n".join(lines)), ok
 
 
-def what_each_rank_holds(group=None) -> tuple[str, bool]:
-    """Question 4: rank r holds (r+1) x [1..N]; what all-reduce, reduce-scatter, all-gather leave on each rank."""
-    n, r, dev = dist.get_world_size(group), dist.get_rank(group), launch.device()
-    x = torch.arange(1.0, n + 1, device=dev) * (r + 1)
-    native = x.clone()
-    dist.all_reduce(native, group=group)
-    summed = ring_all_reduce(x.clone(), group=group)
-    block = ring_reduce_scatter(torch.empty(1, device=dev), x.clone(), group=group)
-    gathered = ring_all_gather(torch.empty(n, device=dev), block, group=group)
-    show = lambda t: "[" + ", ".join(f"{v:g}" for v in t.tolist()) + "]"  # noqa: E731
-    ok = torch.equal(summed, native) and torch.equal(block, native[r:r + 1]) and torch.equal(gathered, native)
-    return (f"rank r holds (r+1) x {show(x / (r + 1))}; all-reduce: {show(summed)} on every rank; reduce-scatter: "
-            f"rank r keeps block r of that sum ({', '.join(show(t) for t in gathered.chunk(n))}); all-gather of "
-            f"those blocks: {show(gathered)} on every rank; all = torch.distributed's"), _total(not ok) == 0
-
-
-def ring_bytes_per_rank(numel: int = 1 << 16) -> tuple[str, bool]:
-    """Question 5 (every rank of the world): bytes the ring sends per rank on 2 ranks and on all of them, and
-    what the naive all-reduce's root sends, for numel fp32."""
-    N, D = dist.get_world_size(), 4 * numel
-
-    def sent(fn, size):  # (mean, largest) bytes one of the first `size` ranks sent
-        group = launch.new_group(range(size))  # every rank creates it; the others sit this one out
-        LEDGER.reset()
-        if dist.get_rank() < size:
-            fn(torch.ones(numel, device=launch.device()), group=group)
-        return _total(LEDGER.sent) / size, _total(LEDGER.sent, MAX)
-    ring = {size: sent(ring_all_reduce, size)[0] / D for size in sorted({min(2, N), N})}
-    root = sent(naive_all_reduce, N)[1] / D
-    return (f"D = {D:,} B: the ring sends " + ", ".join(f"{v:.2f}D per rank on {s} ranks" for s, v in ring.items())
-            + f" (2(N-1)/N D, never above 2D); the naive all-reduce's root (rank 0) sends {root:.2f}D on {N} "
-            f"ranks ((N-1)D)"), all(v == 2 * (s - 1) / s for s, v in ring.items()) and root == N - 1
-
-
-def all_reduce_is_reduce_scatter_plus_all_gather(group=None) -> tuple[str, bool]:
-    """Question 6: one ring all-reduce against a ring reduce-scatter then all-gather: bytes and result."""
-    n, dev = dist.get_world_size(group), launch.device()
-    x = torch.randn(n * 4096, generator=torch.Generator().manual_seed(dist.get_rank(group))).to(dev)
-    LEDGER.reset()
-    whole = ring_all_reduce(x.clone(), group=group)
-    one = _total(LEDGER.sent, group=group)
-    LEDGER.reset()
-    halves = ring_all_gather(torch.empty_like(x), ring_reduce_scatter(torch.empty(4096, device=dev), x, group=group),
-                             group=group)
-    two, D = _total(LEDGER.sent, group=group), x.nbytes
-    same = _total(not torch.equal(whole, halves), group=group) == 0
-    return (f"D = {D:,} B fp32 on {n} ranks: all-reduce sent {one / n / D:.2f}D per rank, reduce-scatter + "
-            f"all-gather {two / n / D:.2f}D; results bit-identical: {same}"), same and one == two == 2 * (n - 1) * D
-
-
-# ----------------------------------------------------------------------------- demo
-
-
 def parser():
     p = launch.demo_parser(__doc__)
-    p.add_argument("--numel", type=int, default=1_048_579,
-                   help="fp32 elements per rank (any count: chunks need not be equal)")
+    p.add_argument("--numel", type=int, default=1_048_579, help="fp32 elements per rank, any count (chunks may differ)")
     return p
 
 
 def demo(args) -> int:
     launch.require(args.numel >= 0, f"--numel must be at least 0, got {args.numel}")
     env = launch.setup()
-    n, r = env.world_size, env.rank
-    g = torch.Generator().manual_seed(r)
+    n = env.world_size
+    g = torch.Generator().manual_seed(env.rank)
     x = torch.randn(args.numel, generator=g).to(env.device)
     # gloo reduce-scatters by all-reducing and keeping block r; blocks of an even count up to 1 MiB share
     # its chunk layout, so the sums are bit-identical (elsewhere only their order differs: tests bound it)
     blocks = torch.randn(n * min(args.numel // n // 2 * 2, 1 << 18), generator=g).to(env.device)
-    native, rs = x.clone(), torch.empty(blocks.numel() // n, device=env.device)
+    native = x.clone()
+    rs = torch.empty(blocks.numel() // n, device=env.device)
     ag = torch.empty(n * x.numel(), device=env.device)
     dist.all_reduce(native)
     dist.reduce_scatter_single(rs, blocks)
@@ -288,12 +243,17 @@ def demo(args) -> int:
             torch.equal(ag, ring_all_gather(torch.empty_like(ag), x))]
     launch.print0(f"ring all-reduce, ring reduce-scatter, ring all-gather vs gloo's on {n} ranks, {args.numel:,} "
                   f"fp32 per rank: {'bit-identical' if all(same) else f'DIFFERENT {same}'}")
-    figures = [ring_step_picture(), what_each_rank_holds(), ring_bytes_per_rank(),
-               all_reduce_is_reduce_scatter_plus_all_gather()]
-    for figure, _ in figures:
-        launch.print0("\n" + figure)
+    D = x.nbytes
+    ring = sum(bytes_sent(ring_all_reduce, x))  # over the ranks: their chunks may differ by an element
+    root = bytes_sent(naive_all_reduce, x)[0]
+    figure = (f"D = {D:,} B: the ring sent {ring / n / max(D, 1):.2f}D per rank (2(N-1)/N D, never above 2D), "
+              f"the naive all-reduce's root {root / max(D, 1):.2f}D ((N-1)D, growing with N)")
+    picture, picture_ok = ring_step_picture()
+    launch.print0(f"{figure}\n\n{picture}\n\n(what each rank holds after each collective, the ring's bytes as N "
+                  f"grows, all-reduce = reduce-scatter + all-gather: ./run.sh ask 4 5 6)")
+    bytes_ok = ring == 2 * (n - 1) * D and root == (n - 1) * D
     return launch.conclude("ring_allreduce", all(same), "bit-identical to dist.all_reduce/RS/AG",
-                           all(ok for _, ok in figures), figures[2][0].split(";")[0])
+                           bytes_ok and picture_ok, figure)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def pipelined_ring_steps(chunks: list[torch.Tensor], steps: range, group, name: 
     """Steps of the ring all-reduce as one stream: at step j every rank sends chunk rank+1+j to its left
     neighbour and receives chunk rank+2+j from its right one, reduced into ours (steps 0..N-2: reduce-scatter)
     or stored (steps N-1..2N-3: all-gather); the chunk received at step j is the one sent at step j+1."""
-    me, n = dist.get_rank(group), dist.get_world_size(group)
+    me = dist.get_rank(group)
+    n = dist.get_world_size(group)
     left = (me - 1) % n
     right = (me + 1) % n
     pieces = _segments(chunks)
@@ -77,6 +78,7 @@ def pipelined_ring_steps(chunks: list[torch.Tensor], steps: range, group, name: 
         return
 
     def step(i):
+        """The ring step item i belongs to."""
         return steps[i // S]
 
     def piece(i, shift):
@@ -84,6 +86,7 @@ def pipelined_ring_steps(chunks: list[torch.Tensor], steps: range, group, name: 
         return pieces[(me + shift + step(i)) % n][i % S]
 
     def reduces(i):
+        """Whether item i is reduced (the reduce-scatter) or only stored (the all-gather)."""
         return step(i) < n - 1
 
     scratch = _scratch(pieces[0][0], IN_FLIGHT) if reduces(0) else []
@@ -120,6 +123,7 @@ def fused_exchange(flat: torch.Tensor, group, name: str, op=SUM) -> None:
     scratch = _scratch(pieces[0], ahead)
 
     def landing(k):
+        """Where segment k of the peer's tensor lands: scratch, reused every `ahead` segments."""
         return scratch[k % ahead][:pieces[k].numel()]
 
     recvs = [irecv(landing(k), peer, group, name) for k in range(min(ahead, len(pieces)))]
@@ -206,10 +210,14 @@ def demo(args) -> int:
     x = torch.randint(-9, 10, (args.numel,), generator=torch.Generator().manual_seed(env.rank)).float().to(env.device)
     native = x.clone()
     dist.all_reduce(native)
-    tuned, plain, ours = (SEGMENT_BYTES, IN_FLIGHT, EXCHANGE_AHEAD), "one message per step (textbook)", "pipelined"
-    variants = {plain: (1 << 62, 1, 1), ours: tuned}
-    times, same = {}, True
-    for label, (SEGMENT_BYTES, IN_FLIGHT, EXCHANGE_AHEAD) in variants.items():
+    plain = "one message per step (textbook)"
+    ours = "pipelined"
+    tuned = (SEGMENT_BYTES, IN_FLIGHT, EXCHANGE_AHEAD)
+    shapes = {plain: (1 << 62, 1, 1), ours: tuned}  # one segment a chunk, nothing posted ahead: the textbook's
+    times = {}
+    same = True
+    for label, shape in shapes.items():
+        SEGMENT_BYTES, IN_FLIGHT, EXCHANGE_AHEAD = shape
         same &= torch.equal(all_reduce(x.clone()), native)
         times[label] = median([timed(lambda: all_reduce(x.clone())) for _ in range(args.repeats)])
     SEGMENT_BYTES, IN_FLIGHT, EXCHANGE_AHEAD = tuned

@@ -18,8 +18,8 @@ takes the fewest steps and wins for small messages; Rabenseifner's halving-doubl
 & Gropp 2005) takes 2 log2 N steps with the ring's bytes. N not a power of two: the first 2r ranks fold in
 pairs, N = p + r, the odd rank of a pair carries both, and gets the result back at the end (+2 steps of D).
 
-`Links` sorts the bytes of every send by link kind and can put a SIMULATED slow link between nodes (a sleep
-before each inter-node send: there is no second machine here). The demo checks the bytes against the
+The demo runs them on alpha_beta's `Links`, which sort the bytes of every send by link kind and put a
+SIMULATED slow link between nodes (there is no second machine here): it checks the bytes against the
 schedules, fits alpha and beta with ping-pongs, predicts every algorithm at every size, and measures them:
 
     torchrun --standalone --nproc_per_node=4 mini_dist/topology.py [--ranks-per-node 2] [--slow-link-us 300]
@@ -27,7 +27,6 @@ Mirrors what dist.all_reduce does inside NCCL (ring or tree by size) and gloo (r
 """
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,13 +34,12 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/topology.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.alpha_beta import crossovers, fitted_links, link_bytes, predict, real_rank, schedule, winners
-from mini_dist import alpha_beta
+from mini_dist.alpha_beta import Links, crossovers, fitted_links, link_bytes, predict, real_rank, schedule, winners
 from mini_dist.kit import launch
 from mini_dist.kit.debug import check_collective
 from mini_dist.kit.timing import median, timed
-from mini_dist.kit.wire import LEDGER, send_recv
-from mini_dist.ring_allreduce import AVG, MAX, SUM, reduce_into
+from mini_dist.kit.wire import send_recv
+from mini_dist.ring_allreduce import AVG, SUM, reduce_into
 from mini_dist.ring_pipelined import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
 # ----------------------------------------------------------------------------- hierarchical: the ring, twice
@@ -54,7 +52,8 @@ def node_groups(ranks_per_node: int, ranks=None) -> tuple | None:
     on every node) of the group of global `ranks` (None: the world). Like dist.new_group, every rank of
     the world calls it, members or not; the world's own are made on first use. Returns mine (or None)."""
     ranks = tuple(range(dist.get_world_size()) if ranks is None else ranks)
-    G, N = ranks_per_node, len(ranks)
+    G = ranks_per_node
+    N = len(ranks)
     if (ranks, G) not in _groups:
         if G < 1 or N % G:
             raise ValueError(f"ranks_per_node={G} does not divide the {N} ranks into equal nodes; "
@@ -73,7 +72,9 @@ def hierarchical_all_reduce(tensor: torch.Tensor, ranks_per_node: int, op=SUM, g
         raise ValueError(f"hierarchical_all_reduce on a subgroup: first call topology.node_groups"
                          f"({ranks_per_node}, {list(ranks)}) on every rank of the world (as dist.new_group)")
     intra, inter = node_groups(ranks_per_node, ranks)
-    G, numel, reduce_op = ranks_per_node, tensor.numel(), SUM if op == AVG else op
+    G = ranks_per_node
+    numel = tensor.numel()
+    reduce_op = SUM if op == AVG else op                 # AVG: summed here, divided once in _finish
     S = -(-numel // G)                                   # each rank of a node owns S elements
     flat = tensor.reshape(-1).contiguous()               # [numel], the tensor itself when contiguous
     padded = flat if numel == G * S else torch.cat([flat, flat.new_zeros(G * S - numel)])  # [G*S]
@@ -99,7 +100,8 @@ def _finish(tensor, flat, op, group) -> torch.Tensor:
 def _fold(flat, op, group, name):
     """N = p + r with p a power of two: rank 2i hands its vector to rank 2i+1 for i < r. Returns
     (my rank among the p that go on, or None if I wait; p; r). Virtual rank v is real rank real_rank(v, r)."""
-    N, me = dist.get_world_size(group), dist.get_rank(group)
+    N = dist.get_world_size(group)
+    me = dist.get_rank(group)
     p = 1 << (N.bit_length() - 1)
     r = N - p
     if me < 2 * r and me % 2 == 0:
@@ -114,6 +116,7 @@ def _fold(flat, op, group, name):
 
 
 def _unfold(flat, v, r, group, name) -> None:
+    """The fold undone: rank 2i+1 hands the result back to rank 2i, which waited, for i < r."""
     me = dist.get_rank(group)
     if me < 2 * r:
         send_recv(flat if v is not None else None, me ^ 1, flat if v is None else None, me ^ 1, group, name)
@@ -121,11 +124,13 @@ def _unfold(flat, v, r, group, name) -> None:
 
 def recursive_doubling_all_reduce(tensor: torch.Tensor, op=SUM, group=None) -> torch.Tensor:
     """In place: at step k swap the whole vector with the rank that differs in bit k, and reduce."""
-    check_collective(tensor, op, group, name := "recursive_doubling_all_reduce")
+    name = "recursive_doubling_all_reduce"
+    check_collective(tensor, op, group, name)
     flat = tensor.reshape(-1).contiguous()  # the tensor itself when contiguous: in place, like dist.all_reduce
     v, p, r = _fold(flat, op, group, name)
     if v is not None:
-        incoming, mask = torch.empty_like(flat), 1
+        incoming = torch.empty_like(flat)
+        mask = 1
         while mask < p:
             partner = real_rank(v ^ mask, r)
             send_recv(flat, partner, incoming, partner, group, name)
@@ -138,13 +143,19 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, op=SUM, group=None) -> t
 def halving_doubling_all_reduce(tensor: torch.Tensor, op=SUM, group=None) -> torch.Tensor:
     """In place: reduce-scatter by recursive halving (keep half, send half, each step), then all-gather by
     recursive doubling. Nearest partners first, so the largest halves stay inside a node."""
-    check_collective(tensor, op, group, name := "halving_doubling_all_reduce")
+    name = "halving_doubling_all_reduce"
+    check_collective(tensor, op, group, name)
     flat = tensor.reshape(-1).contiguous()  # the tensor itself when contiguous: in place, like dist.all_reduce
     v, p, r = _fold(flat, op, group, name)
     if v is not None:
         edges = [i * flat.numel() // p for i in range(p + 1)]  # p blocks; [lo, hi) is a range of blocks
-        part = lambda lo, hi: flat[edges[lo]:edges[hi]]        # noqa: E731
-        lo, hi, masks = 0, p, [1 << k for k in range(p.bit_length() - 1)]
+
+        def part(lo, hi):
+            """Blocks lo .. hi-1 of my vector, a view."""
+            return flat[edges[lo]:edges[hi]]
+        masks = [1 << k for k in range(p.bit_length() - 1)]
+        lo = 0  # the blocks I reduce: all p at first, half as many after each step
+        hi = p
         for mask in masks:
             mid = (lo + hi) // 2
             keep, give = ((lo, mid), (mid, hi)) if v & mask == 0 else ((mid, hi), (lo, mid))
@@ -168,79 +179,30 @@ ALGORITHMS = {"ring": lambda t, G, group: ring_all_reduce(t, group=group),
               "halving-doubling": lambda t, G, group: halving_doubling_all_reduce(t, group=group)}
 
 
-# ----------------------------------------------------------------------------- the links, counted and slowed
-
-
-class Links:
-    """with Links(G, group) as links: ...  ->  links.sent = {"intra": bytes, "inter": bytes} this rank sent.
-
-    Every message sent inside the block (the kit's wire: the rings, this module) is sorted by the link it
-    crosses as it is posted: a watcher of the wire's LEDGER. With delay_s or bandwidth, a send between nodes
-    first waits delay_s + bytes / bandwidth: a SIMULATED slow link."""
-
-    def __init__(self, ranks_per_node: int, group=None, delay_s: float = 0.0, bandwidth: float = math.inf):
-        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
-        self.node = {rank: i // ranks_per_node for i, rank in enumerate(ranks)}
-        self.delay_s = delay_s
-        self.bandwidth = bandwidth
-        self.sent = {"intra": 0, "inter": 0}
-
-    def before_send(self, event: str, peer, group, nbytes: int, kind, label) -> None:
-        if event == "send":
-            link = "intra" if self.node[peer] == self.node[dist.get_rank()] else "inter"
-            self.sent[link] += nbytes
-            if link == "inter" and (self.delay_s or self.bandwidth < math.inf):
-                time.sleep(self.delay_s + nbytes / self.bandwidth)
-
-    def __enter__(self):
-        LEDGER.watchers.append(self.before_send)
-        return self
-
-    def __exit__(self, *exc):
-        LEDGER.watchers.remove(self.before_send)
-
-
-# ----------------------------------------------------------------------------- what the demo measures
-
-
-def slow_link_bytes(ranks_per_node: int = 2, numel: int = 1 << 14) -> tuple[str, bool]:
-    """Question 22 (every rank of the world): bytes the busiest rank sends over the slow link in the ring and
-    in the hierarchical all-reduce, and the model's times for 1 GB over 2 nodes of 8 GPUs."""
-    N, G, D, sent = dist.get_world_size(), ranks_per_node, 4 * numel, []
-    for name in ("ring", "hierarchical"):
-        with Links(G) as links:
-            ALGORITHMS[name](torch.ones(numel, device=launch.device()), G, None)
-        sent += [links.sent["inter"], sum(links.sent.values())]
-    busiest = torch.tensor(sent, dtype=torch.float64, device=launch.device())
-    dist.all_reduce(busiest, op=MAX)
-    ring_inter, ring_all, inter, every = (busiest / D).tolist()
-    links = {"intra": (5e-6, 1 / 450e9), "inter": (10e-6, 1 / 50e9)}  # cost_model.Cluster's NVLink, InfiniBand
-    ms, n = {a: 1e3 * predict(schedule(a, 16, 8), 1e9, 8, links) for a in ("ring", "hierarchical")}, N // G
-    return (f"{n} nodes x {G} ranks, D = {D:,} B: every rank sends {ring_all:.2f}D either way, but the busiest "
-            f"sends {ring_inter:.2f}D over the slow link in the ring, {inter:.2f}D hierarchically (1/G); "
-            f"alpha-beta model, 1 GB over 2 nodes of 8 GPUs (450 GB/s inside, 50 between): ring "
-            f"{ms['ring']:,.1f} ms, hierarchical {ms['hierarchical']:,.1f} ms"), \
-        ring_inter == 2 * (N - 1) / N and inter == 2 * (n - 1) / n / G and ring_all == every and \
-        ms["hierarchical"] < ms["ring"]
-
-
 # ----------------------------------------------------------------------------- demo
 
 def parser():
-    p = alpha_beta.parser(__doc__)
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--ranks-per-node", type=int, default=2, help="G: consecutive ranks that share a node")
+    p.add_argument("--slow-link-us", type=float, default=300.0, help="SIMULATED inter-node latency, us (0: none)")
+    p.add_argument("--slow-link-mbps", type=float, default=100.0, help="SIMULATED inter-node MB/s (0: no cap)")
+    p.add_argument("--sizes-kib", type=int, nargs="+", default=[1, 8, 64, 512, 4096], help="message sizes, KiB")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per algorithm and size (median)")
     return p
 
 
 def demo(args) -> int:
-    N, G = launch.env_world_size(), args.ranks_per_node
+    N = launch.env_world_size()
+    G = args.ranks_per_node
     launch.require(G >= 1 and N % G == 0, f"--ranks-per-node {G} does not divide {N} ranks into equal nodes; "
                    f"use one of {[g for g in range(1, N + 1) if N % g == 0]}")
     launch.require(min(args.sizes_kib) >= 1 and args.repeats >= 1 and min(args.slow_link_us, args.slow_link_mbps)
                    >= 0, "--sizes-kib and --repeats must be >= 1, the slow link >= 0")
-    env, say = launch.setup(), launch.print0
+    env = launch.setup()
+    say = launch.print0
     x = torch.randn(10_007, dtype=torch.float64, generator=torch.Generator().manual_seed(env.rank)).to(env.device)
-    native, total = x.clone(), x.abs()
+    native = x.clone()
+    total = x.abs()
     dist.all_reduce(native)
     dist.all_reduce(total)
     bound = 2 * (N - 1) * 2.0 ** -53 / (1 - (N - 1) * 2.0 ** -53) * total  # two orders, gamma_{N-1} sum|x| each
@@ -250,7 +212,8 @@ def demo(args) -> int:
         + ", ".join(f"{a} {e:.2f}" for a, e in errors.items()))
 
     numel = 2 * N * (1 << (N.bit_length() - 1)) * 3 ** 7  # even ring chunks and halving blocks
-    D, ledger_ok = 4 * numel, True
+    D = 4 * numel
+    ledger_ok = True
     say(f"\nbytes sent, total over all ranks, for D = {D:,} B per rank, measured (schedule):"
         f"{'inside nodes':>14}{'between nodes':>28}")
     for a, fn in ALGORITHMS.items():
@@ -266,15 +229,16 @@ def demo(args) -> int:
     say(f"\nfitted by ping-pong between ranks 0 and 1: alpha = {links['intra'][0] * 1e6:.1f} us, beta = "
         f"{links['intra'][1] * 1e9:.3f} ns/B; SIMULATED inter-node link: +{args.slow_link_us:g} us per message, "
         f"{args.slow_link_mbps:g} MB/s")
-    kib, slow = [k * 1024 for k in args.sizes_kib], (args.slow_link_us * 1e-6, args.slow_link_mbps * 1e6)
+    kib = [k * 1024 for k in args.sizes_kib]
     model = {a: [predict(schedule(a, N, G), b, G, links) for b in kib] for a in ALGORITHMS}
     measured = {a: [] for a in ALGORITHMS}
-    with Links(G, delay_s=slow[0], bandwidth=slow[1] or math.inf):
+    with Links(G, delay_s=args.slow_link_us * 1e-6, bandwidth=args.slow_link_mbps * 1e6 or math.inf):
         for b in kib:
             t = torch.zeros(b // 4, device=env.device)
             for a, fn in ALGORITHMS.items():
                 measured[a].append(median([timed(lambda: fn(t, G, None)) for _ in range(args.repeats)]))
-    best, seen = winners(model), winners(measured)
+    best = winners(model)
+    seen = winners(measured)
     say(f"\nms per all-reduce of D bytes per rank, model / measured (slowest rank, median of {args.repeats})\n"
         f"{'D':>9}" + "".join(f"{a:>21}" for a in ALGORITHMS) + "   fastest: model / measured")
     for i, k in enumerate(args.sizes_kib):
@@ -286,11 +250,10 @@ def demo(args) -> int:
         f"latency and bytes on the wire; it leaves out the additions, Python's microseconds per step, and {N} "
         f"ranks sharing this machine's cores, and a median of {args.repeats} wall-clock runs on a shared machine "
         f"is noisy. No check rests on the clock." if differ else "model and clock agree on the fastest at every size")
-    figure, figure_ok = slow_link_bytes(G) if N > G else ("one node: no slow link", True)
-    say(f"\n{figure}")
+    say("\nthe busiest rank's bytes on the slow link, and the model for 1 GB on 2 nodes of 8 GPUs: ./run.sh ask 22")
     worst = max(errors.values())
-    return launch.conclude("topology", worst <= 1.0 and figure_ok, f"4 all-reduces = dist.all_reduce within the "
-                           f"order bound ({worst:.2f} of it)", ledger_ok, "intra/inter bytes = schedules exactly")
+    return launch.conclude("topology", worst <= 1.0, f"4 all-reduces = dist.all_reduce within the order bound "
+                           f"({worst:.2f} of it)", ledger_ok, "intra/inter bytes = schedules exactly")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ DEMOS = sorted([f[:-3] for f in os.listdir(os.path.join(ROOT, "mini_dist"))
 # A configuration each demo cannot run, as (world size, arguments) and a word the one-line error must contain.
 BAD = {
     "activation_checkpoint": (1, ["--layers", "4", "--segments", "5"], "--segments"),
+    "all_to_all": (2, ["--seq", "0"], "--seq"),
     "alpha_beta": (4, ["--ranks-per-node", "3"], "ranks-per-node"),
     "buckets": (2, ["--batch", "0"], "--batch"),
     "checkpoint": (2, ["--rows", "0"], "--rows"),
@@ -78,6 +79,7 @@ BAD = {
     "zero_ledger": (2, ["--widths", "0"], "--widths"),
     "kit.debug": (1, [], "2 or more ranks"),
     "nccl_order": (1, [], "2 or more ranks"),
+    "nccl_rule": (1, ["--ranks", "1"], "--ranks"),
     "pipeline_agreement": (1, [], "at least 2 ranks"),
     "pipeline_stages": (4, ["--layers", "3"], "--layers"),
     "kit.measure": (1, ["--width", "0"], "--width"),

@@ -118,7 +118,7 @@ def test_non_contiguous_tensors_are_reduced_in_place_and_nothing_else_changes():
 
 
 def ledger(algorithm, numel, G):
-    with topo.Links(G) as links:
+    with ab.Links(G) as links:
         topo.ALGORITHMS[algorithm](torch.ones(numel, device=device()), G, None)
     return links.sent
 
@@ -163,7 +163,7 @@ def test_every_exchange_of_the_doubling_algorithms_is_one_batch_with_one_partner
 def slow_exchange(G, delay_s):
     me = dist.get_rank()
     buf = torch.zeros(1000, device=device())
-    with topo.Links(G, delay_s=delay_s) as links:
+    with ab.Links(G, delay_s=delay_s) as links:
         start = time.perf_counter()
         wire.send_recv(buf if me == 0 else None, 1, buf if me == 1 else None, 0, None, "test")
         elapsed = time.perf_counter() - start

@@ -63,11 +63,19 @@ def size_name(kib: int) -> str:
     return f"{kib} KiB" if kib < 1024 else f"{kib >> 10} MiB"
 
 
+def zeros(numel: int) -> torch.Tensor:
+    """A buffer of the benchmark: fp32 zeros on the rank's device."""
+    return torch.zeros(numel, device=launch.device())
+
+
 def cases(numel: int, n: int):
     """(name, ring call, native call, bytes on the ring per D): fp32 buffers, zeros (the values do not
     change the cost, and repeated sums stay finite)."""
-    z = lambda k: torch.zeros(k, device=launch.device())  # noqa: E731
-    x, y, full, shard, out = z(numel), z(numel), z(numel), z(numel // n), z(numel)
+    x = zeros(numel)  # the ring's all-reduce
+    y = zeros(numel)  # gloo's
+    full = zeros(numel)
+    shard = zeros(numel // n)
+    out = zeros(numel)
     return [
         ("all_reduce", lambda: ring_pipelined.ring_all_reduce(x), lambda: dist.all_reduce(y), 2 * (n - 1) / n),
         ("reduce_scatter", lambda: ring_pipelined.ring_reduce_scatter(shard, full),
@@ -133,7 +141,9 @@ def profile_row(numel: int) -> list[float]:
     """[total, posting, waiting, reducing, rest] of one ring all-reduce on the rank that took longest
     (median over 9 calls), and gloo's all-reduce of the same tensor (median, slowest rank)."""
     x = torch.zeros(numel, device=launch.device())
-    n, rows, gloo = dist.get_world_size(), [], []
+    n = dist.get_world_size()
+    rows = []
+    gloo = []
     for i in range(10):
         spent = dict.fromkeys(["posting", "waiting", "reducing"], 0.0)
         dist.barrier()
@@ -166,7 +176,8 @@ def debug_cost(n: int) -> list[bench.Result]:
         x = torch.zeros(kib * 256, device=launch.device())
 
         def with_debug():
-            debug.DEBUG, saved = True, debug.DEBUG
+            saved = debug.DEBUG
+            debug.DEBUG = True
             try:
                 ring_pipelined.ring_all_reduce(x)
             finally:
@@ -179,14 +190,16 @@ def debug_cost(n: int) -> list[bench.Result]:
 
 def run_collectives(args) -> list[bench.Result]:
     n = dist.get_world_size()
-    results, busbw = [], {}
+    results = []
+    busbw = {}  # (collective, KiB) -> (ring, gloo) bus bandwidth, GB/s
     for kib in SIZES_KIB:
         nbytes = kib << 10
         for name, ours, native, per_d in cases(nbytes // 4, n):
             r = bench.compare(f"ring {name} {size_name(kib)}", ours, native, REPEATS, target(nbytes))
-            gbps = lambda t: per_d * nbytes / t / 1e9  # noqa: E731
-            r.note = f"busbw ring {gbps(r.ours) * 1e3:,.1f} / gloo {gbps(r.native) * 1e3:,.1f} MB/s"
-            busbw[(name, kib)] = (gbps(r.ours), gbps(r.native))
+            ring_gbps = per_d * nbytes / r.ours / 1e9  # nccl-tests' bus bandwidth: the ring's bytes over the time
+            gloo_gbps = per_d * nbytes / r.native / 1e9
+            r.note = f"busbw ring {ring_gbps * 1e3:,.1f} / gloo {gloo_gbps * 1e3:,.1f} MB/s"
+            busbw[(name, kib)] = (ring_gbps, gloo_gbps)
             results.append(r)
     results += debug_cost(n)
 

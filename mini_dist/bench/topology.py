@@ -4,7 +4,7 @@
 
 Both are mini_dist's (gloo's own sends cannot be slowed from Python, so the ring stands in as the
 reference): 2 ranks per node, every message between nodes delayed by 300 us + bytes / 100 MB/s
-(mini_dist.topology.Links). The flat ring crosses a node boundary at every one of its 2(N-1) steps with
+(mini_dist.alpha_beta.Links). The flat ring crosses a node boundary at every one of its 2(N-1) steps with
 D/N bytes; the hierarchical all-reduce crosses 2(n-1) times with D/N bytes, and moves the rest inside
 nodes. The same pair again without the simulated link shows what the extra steps cost on equal links.
 """
@@ -12,12 +12,14 @@ import torch
 import torch.distributed as dist
 
 from mini_dist import bench
-from mini_dist.alpha_beta import link_bytes, predict, schedule
+from mini_dist.alpha_beta import Links, link_bytes, predict, schedule
 from mini_dist.kit.launch import device
 from mini_dist.ring_pipelined import ring_all_reduce
-from mini_dist.topology import Links, hierarchical_all_reduce
+from mini_dist.topology import hierarchical_all_reduce
 
-G, DELAY_S, BANDWIDTH = 2, 300e-6, 100e6
+G = 2               # ranks per node
+DELAY_S = 300e-6    # the simulated link between nodes: latency
+BANDWIDTH = 100e6   # and bytes per second
 
 
 def hierarchical_vs_ring(args, sizes_kib=(64, 1024, 8192), repeats=7) -> list[bench.Result]:
@@ -37,9 +39,10 @@ def hierarchical_vs_ring(args, sizes_kib=(64, 1024, 8192), repeats=7) -> list[be
             inter = {a: link_bytes(schedule(a, N, G), t.nbytes, G)["inter"] / N for a in ("hierarchical", "ring")}
             links = {"intra": (0.0, 0.0), "inter": (DELAY_S, 1 / BANDWIDTH)}
             model = {a: predict(schedule(a, N, G), t.nbytes, G, links) for a in ("hierarchical", "ring")}
-            r.note = (f"{N // G} nodes of {G}; inter-node B per rank (mean) {inter['hierarchical']:,.0f} vs {inter['ring']:,.0f}"
-                      + (f"; simulated delay alone: {model['hierarchical'] * 1e3:.1f} vs {model['ring'] * 1e3:.1f} ms"
-                         if slow else "; no simulated delay"))
+            delay = (f"simulated delay alone: {model['hierarchical'] * 1e3:.1f} vs {model['ring'] * 1e3:.1f} ms"
+                     if slow else "no simulated delay")
+            r.note = (f"{N // G} nodes of {G}; inter-node B per rank (mean) {inter['hierarchical']:,.0f} vs "
+                      f"{inter['ring']:,.0f}; {delay}")
             results.append(r)
     return results
 
