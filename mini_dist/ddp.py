@@ -123,7 +123,7 @@ def broadcast_from_rank0(module: nn.Module, group=None) -> None:
     they hold (names, shapes, dtypes): a broadcast between different models would hang or corrupt."""
     mine = [(name, tuple(t.shape), t.dtype) for name, t in (*module.named_parameters(), *module.named_buffers())]
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    wire.call(dist.all_gather_object, everyone, mine, group=group)
     describe = lambda t: "nothing more" if t is None else f"{t[0]} of shape {t[1]} in {t[2]}"
     for rank, theirs in enumerate(everyone):
         if theirs != everyone[0]:
@@ -132,7 +132,7 @@ def broadcast_from_rank0(module: nn.Module, group=None) -> None:
                              f"{describe(ours)} where rank {rank} has {describe(other)}; build the same "
                              f"model on every rank before wrapping it")
     for t in (*module.parameters(), *module.buffers()):
-        dist.broadcast(t.detach(), group=group, group_src=0)
+        wire.call(dist.broadcast, t.detach(), group=group, group_src=0)
 
 
 # ----------------------------------------------------------------------------- what the demo measures

@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 if not __package__:  # run as `torchrun mini_dist/fsdp.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import flat_param
-from mini_dist.kit import debug, launch, models, timing, weakly
+from mini_dist.kit import debug, launch, models, timing, weakly, wire
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -113,7 +113,7 @@ class FullyShardedDataParallel(nn.Module):
         grad, full.grad = full.grad, None
         out = torch.empty(unit.shard_numel, dtype=grad.dtype, device=grad.device)
         self._collective(unit, "reduce-scatter of its gradient",
-                         lambda: dist.reduce_scatter_single(out, grad, group=self.group))
+                         lambda: wire.call(dist.reduce_scatter_single, out, grad, group=self.group))
         self._record("backward", unit, "reduce-scatter", out)
         out = out.div_(self.world).to(unit.shard.dtype)
         for p, g in zip(unit.params, unit.pieces(out)):  # each slice's .grad: a view of the flat gradient
@@ -138,8 +138,8 @@ class FullyShardedDataParallel(nn.Module):
             shard = unit.shard.to(full.dtype)  # in param_dtype: half the bytes on the wire
             # .data: autograd saved views of `full` in forward and checks they were not rewritten in
             # place; we refill the very values they held, so the write must not bump the version.
-            unit.work = (self._collective(unit, f"all-gather for {phase}", lambda: dist.all_gather_single(
-                full.data, shard, group=self.group, async_op=True)), shard)
+            unit.work = (self._collective(unit, f"all-gather for {phase}", lambda: wire.call(
+                dist.all_gather_single, full.data, shard, group=self.group, async_op=True)), shard)
             self._record(phase, unit, "all-gather", shard)
         if wait and unit.work is not None:
             self._collective(unit, f"all-gather for {phase}", unit.work[0].wait)
@@ -156,7 +156,7 @@ class FullyShardedDataParallel(nn.Module):
         try:
             return run()
         except RuntimeError as e:  # a rank that left quietly is named: torchrun would blame the first to fail
-            cause = debug.lost_rank(self.group) or f"{e} (the first rank to fail says why in its own log)"
+            cause = debug.lost_rank() or f"{e} (the first rank to fail says why in its own log)"
             raise RuntimeError(f"FSDP unit {unit.name!r}: {what} failed on rank {dist.get_rank()}: {cause}") from e
 
     def _record(self, phase: str, unit, what: str, piece: torch.Tensor | None = None) -> None:
