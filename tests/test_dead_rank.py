@@ -42,7 +42,6 @@ TIMEOUT_S = 5  # the ranks' MINI_DIST_TIMEOUT in these runs
 FEW_S = 5  # what a survivor may take past it: deciding who failed first, and a busy machine
 WAYS = ("raise", "exit", "os._exit", "SIGKILL", "SIGSEGV")
 NAMED = re.compile(r"lost rank (\d+) \(it ")  # kit/fates.py's words for the rank that failed first
-DIED = "test_dead_rank/died"
 
 
 class Injected(Exception):
@@ -123,9 +122,10 @@ MODULES = {"ring": ring, "ddp": ddp, "zero": zero_step, "fsdp": fsdp, "tensor pa
            "ring attention": ring_attention, "expert all-to-all": experts, "checkpoint": save_and_load}
 
 
-def end(how: str) -> None:
-    """End this rank the way `how` names, after saying when (the test's own key, beside the ranks' fates)."""
-    dist.distributed_c10d._get_default_store().set(DIED, repr(time.time()))
+def end(how: str, died: str) -> None:
+    """End this rank the way `how` names, after writing when in the file `died` (the store may go with it)."""
+    with open(died, "w") as f:
+        f.write(repr(time.time()))
     if how == "raise":
         raise Injected("this rank fails on its own")
     if how == "exit":
@@ -135,16 +135,15 @@ def end(how: str) -> None:
     os.kill(os.getpid(), getattr(signal, how))
 
 
-def step_that_ends(module, args, victim, k, how, pause_at=None):
+def step_that_ends(module, args, victim, k, how, died, pause_at=None):
     """MODULES[module](*args) while rank `victim` ends at its k-th message or collective (k = -1: none does;
     pause_at: every other rank pauses 1 s before its pause_at-th). -> ("finished", operations counted, None),
     or ("raised", the error a user reads, its traceback, seconds since the victim ended)."""
-    store = dist.distributed_c10d._get_default_store()
     seen = [0]
 
     def injector(*_):
         if dist.get_rank() == victim and seen[0] == k:
-            end(how)
+            end(how, died)
         if dist.get_rank() != victim and seen[0] == pause_at:
             time.sleep(1.0)  # the victim is gone by now: this rank's next message fails as it is posted
         seen[0] += 1
@@ -154,7 +153,7 @@ def step_that_ends(module, args, victim, k, how, pause_at=None):
     except Exception as e:
         if dist.get_rank() == victim:  # its own error: the pool reports it, as torchrun would its traceback
             raise
-        since = time.time() - float(store.get(DIED)) if store.check([DIED]) else None
+        since = time.time() - float(open(died).read()) if os.path.exists(died) else None
         return "raised", f"{type(e).__name__}: {e}", traceback.format_exc(), since
     finally:
         wire.LEDGER.watchers.remove(injector)
@@ -198,7 +197,7 @@ def operations(module, world, debug) -> list:
     if (module, world, debug) not in _operations:
         args = args_for(module)
         try:
-            results = pool(world, debug).run(step_that_ends, module, args, -1, -1, "exit")
+            results = pool(world, debug).run(step_that_ends, module, args, -1, -1, "exit", "")
         finally:
             remove(args)
         assert all(kind == "finished" for kind, *_ in results), results
@@ -210,11 +209,12 @@ def survivors_name(module, world, victim, k, how, debug=False, pause_at=None) ->
     """Run the step with rank `victim` ending at its k-th operation; check every survivor either finished or
     named it, and only it, in time. -> {rank: its error} of the survivors that raised."""
     args = args_for(module)
+    died = os.path.join(tempfile.mkdtemp(prefix="test_dead_rank_"), "died")
     try:
         with pytest.raises(RankFailure) as info:
-            pool(world, debug).run(step_that_ends, module, args, victim, k, how, pause_at, timeout=120)
+            pool(world, debug).run(step_that_ends, module, args, victim, k, how, died, pause_at, timeout=120)
     finally:
-        remove(args)
+        remove(args + (os.path.dirname(died),))
     replies = info.value.replies
     raised = {}
     for rank in range(world):

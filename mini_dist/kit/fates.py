@@ -44,6 +44,7 @@ HOW = {"error": "it failed first: {}; its log has the traceback",
                "without a word; its log says why",
        "gone": "it vanished: its process ended without a word, as os._exit, a kill or a crash ends one; its "
                "log may say why",
+       "host": "it ended, and the group's store, which it hosted, went with it; its log may say why",
        "silent": "it stopped answering: alive, but rank {} waited for it until the group's timeout"}
 _listening = None  # this rank's socket (nothing ever accepts on it)
 
@@ -114,34 +115,47 @@ def read_fates() -> dict:
     return found
 
 
+def look() -> dict | None:
+    """Every rank's fate, with those found gone (without one) dated now; None if the store is gone."""
+    master = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "0")))
+    try:
+        if master[1] and answers(*master) is False:  # a refused store: no need to wait for its error
+            return None
+        ended = read_fates()
+        for rank in range(dist.get_world_size()):
+            if rank != dist.get_rank() and rank not in ended and alive(rank) is False:
+                kind, at, text = record("gone", rank=rank).split("|", 2)  # the first to find it dates it
+                ended[rank] = (kind, float(at), text)
+        return ended
+    except (RuntimeError, ValueError):
+        return None
+
+
 def first_failure(wait_s: float = GRACE_S) -> tuple[int, str] | None:
     """(rank, how it ended) for the rank of the world that failed first, as this rank sees it now: the earliest
     of those that raised, left or vanished (found gone, and dated, here); if none did, a rank that another
     waited for until the timeout. None if no rank failed within wait_s, or this process has no group."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    me, deadline, settled = dist.get_rank(), time.monotonic() + wait_s, None
-    master = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "0")))
-    if master[1] and answers(*master) is False:
-        # the store went with its host: rank 0, unless torchrun's agent hosts it
-        if me == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            return None
-        return 0, HOW["gone"] + " (the group's store, which it hosted, went with it)"
+    me = dist.get_rank()
+    deadline = time.monotonic() + wait_s
+    settled = None  # once a rank is known to have failed: when an earlier one may no longer come
+    best = None
     while True:
-        ended = read_fates()
-        for rank in range(dist.get_world_size()):
-            if rank != me and rank not in ended and alive(rank) is False:
-                kind, at, text = record("gone", rank=rank).split("|", 2)  # the first to find it dates it
-                ended[rank] = (kind, float(at), text)
+        ended = look()
+        if ended is None:  # the store went with its host: rank 0, unless torchrun's agent hosts it
+            if best or me == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                return best
+            return 0, HOW["host"]
         causes = sorted((at, rank, kind, text) for rank, (kind, at, text) in ended.items()
                         if kind != "lost" and rank != me)
         now = time.monotonic()
-        if causes and settled is None:
-            settled = now + SETTLE_S
-        if causes and now >= settled:
-            at, rank, kind, text = causes[0]
-            return rank, HOW[kind].format(text)
-        if not causes and now >= deadline:
+        if causes:
+            best = causes[0][1], HOW[causes[0][2]].format(causes[0][3])
+            settled = settled or now + SETTLE_S
+            if now >= settled:
+                return best
+        elif now >= deadline:
             waited = sorted((at, int(text), rank) for rank, (kind, at, text) in ended.items()
                             if kind == "lost" and int(text) not in ended and int(text) != me)
             return (waited[0][1], HOW["silent"].format(waited[0][2])) if waited else None
@@ -153,10 +167,7 @@ def blame(waited_for: int | None = None) -> tuple[int | None, str]:
     the rank that failed first, recorded as this rank's cause; (None, '') if none did. waited_for: the one
     peer this rank waited for until the timeout, recorded (when no rank failed) for the ranks that lose this
     one next."""
-    try:
-        found = first_failure()
-    except (RuntimeError, ValueError):  # the store broke while we read it: a guess would be worse
-        found = None
+    found = first_failure()
     lost = found[0] if found is not None else waited_for
     if lost is not None and dist.is_initialized():
         try:
