@@ -261,8 +261,11 @@ def lost(error: RuntimeError, peer, group, doing: str, label) -> debug.PeerLost:
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     timed_out = bool(debug.TIMED_OUT.search(str(error)))
     cause, said = fates.blame(waited_for=ranks[0] if timed_out and len(ranks) == 1 else None)
-    it = "it" if cause is None or ranks == [cause] else who
-    what = f"{label}, {doing} {it}" if doing in (SEND, RECV) else f"{label}, {doing} with {who}"
+    here = cause is None or cause in ranks  # the peer is the cause: no need to say who the peer was
+    if doing in (SEND, RECV):
+        what = f"{label}, {doing} {'it' if here else who}"
+    else:
+        what = f"{label}, {doing}{'' if here else f' with {who}'}"
     if cause is not None:
         return debug.PeerLost(f"{what}: {said} ({first})")
     if timed_out:  # alive but silent: most often it waits too, for this rank
