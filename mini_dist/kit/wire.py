@@ -13,8 +13,9 @@
 
 Peers are ranks of `group`, as torch's group_peer; errors name global ranks: a message or a collective that
 fails names the rank of the world that failed first (kit/fates.py), not the peer it was talking to. Empty
-tensors stay home: both ends skip the same empty piece. A batch is what NCCL needs: it runs a rank's unbatched sends and receives
-in order on one stream, where a ring whose ranks all send first waits forever (mini_dist/nccl_order.py).
+tensors stay home: both ends skip the same empty piece. A batch is what NCCL needs: it runs a rank's unbatched
+sends and receives in order on one stream, where a ring whose ranks all send first waits forever
+(mini_dist/nccl_order.py).
 
 The ledger counts, per kind (what the bytes are for): calls and payload bytes (the D of the formulas: a
 collective's tensor, a message's bytes at its send), and the bytes point-to-point sends and receives moved.
