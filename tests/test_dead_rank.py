@@ -137,16 +137,16 @@ def end(how: str, died: str) -> None:
 
 def step_that_ends(module, args, victim, k, how, died, pause_at=None):
     """MODULES[module](*args) while rank `victim` ends at its k-th message or collective (k = -1: none does;
-    pause_at: every other rank pauses 1 s before its pause_at-th). -> ("finished", operations counted, None),
+    pause_at: every other rank pauses 1 s before its pause_at-th). -> ("finished", the operations, None, None),
     or ("raised", the error a user reads, its traceback, seconds since the victim ended)."""
-    seen = [0]
+    seen = []
 
-    def injector(*_):
-        if dist.get_rank() == victim and seen[0] == k:
+    def injector(event, *_):
+        if dist.get_rank() == victim and len(seen) == k:
             end(how, died)
-        if dist.get_rank() != victim and seen[0] == pause_at:
+        if dist.get_rank() != victim and len(seen) == pause_at:
             time.sleep(1.0)  # the victim is gone by now: this rank's next message fails as it is posted
-        seen[0] += 1
+        seen.append(event)
     wire.LEDGER.watchers.append(injector)
     try:
         MODULES[module](*args)
@@ -157,7 +157,7 @@ def step_that_ends(module, args, victim, k, how, died, pause_at=None):
         return "raised", f"{type(e).__name__}: {e}", traceback.format_exc(), since
     finally:
         wire.LEDGER.watchers.remove(injector)
-    return "finished", seen[0], None, None
+    return "finished", seen, None, None
 
 
 _pools = {}
@@ -193,7 +193,7 @@ _operations = {}
 
 
 def operations(module, world, debug) -> list:
-    """How many messages and collectives each rank's step of `module` posts (a run where no rank ends)."""
+    """The messages and collectives each rank's step of `module` posts, in order (a run where no rank ends)."""
     if (module, world, debug) not in _operations:
         args = args_for(module)
         try:
@@ -237,7 +237,7 @@ def survivors_name(module, world, victim, k, how, debug=False, pause_at=None) ->
 def test_a_rank_that_vanishes_mid_ring_is_named_by_every_survivor_even_those_that_only_lost_a_bystander():
     """Rank 2 of 4 ends with os._exit mid-ring: rank 1 loses it directly; rank 0 and 3 lose rank 1 or time out
     waiting for a neighbour that raised: each names rank 2."""
-    k = operations("ring", 4, False)[2] // 2
+    k = len(operations("ring", 4, False)[2]) // 2
     raised = survivors_name("ring", 4, 2, k, "os._exit")
     assert raised, "no survivor raised: the death came too late to test anything"
 
@@ -245,7 +245,9 @@ def test_a_rank_that_vanishes_mid_ring_is_named_by_every_survivor_even_those_tha
 def test_fsdp_three_ranks_rank_2_gone_in_the_second_units_forward_is_named_by_both_others():
     """The case that named a bystander: rank 1 ended with gloo's raw 'Connection reset by peer', and rank 0
     blamed rank 1, which had only stopped after losing rank 2."""
-    raised = survivors_name("fsdp", 3, 2, 1, "os._exit")
+    ops = operations("fsdp", 3, False)[2]  # building: agree, 4 scatters; forward: 4 all-gathers, one ahead
+    k = ops.index("all_gather_single") + 3  # the gather posted as the second block starts its forward
+    raised = survivors_name("fsdp", 3, 2, k, "os._exit")
     assert set(raised) == {0, 1}, raised
 
 
@@ -272,7 +274,7 @@ def test_every_survivor_names_the_rank_that_died_first_however_and_wherever_it_d
     world = data.draw(st.integers(2, 5), label="world")
     debug = data.draw(st.booleans(), label="MINI_DIST_DEBUG")
     victim = data.draw(st.integers(0, world - 1), label="victim")
-    k = data.draw(st.integers(0, operations(module, world, debug)[victim] - 1), label="k")
+    k = data.draw(st.integers(0, len(operations(module, world, debug)[victim]) - 1), label="k")
     how = data.draw(st.sampled_from(WAYS), label="how")
     survivors_name(module, world, victim, k, how, debug)
 
