@@ -139,6 +139,16 @@ launch() {
     echo "./run.sh: exit 1: a check or a target above was missed (FAIL / MISS)" >&2
   else
     cat "$err" >&2
+    # the rank that failed first: the one the survivors name (mini_dist/kit/fates.py: "lost rank 2 (it ..."),
+    # else torchrun's root cause (a rank that ended before any survivor could speak)
+    local first=""
+    if [ "$status" -ne 0 ]; then
+      first=$(grep -o 'lost rank [0-9]* (it ' "$err" | sort | uniq -c | sort -rn | head -n 1 | grep -o 'rank [0-9]*' \
+              || true)
+      [ -n "$first" ] || first=$(sed -n '/Root Cause/,$p' "$err" | grep -o '^ *rank *: [0-9]*' | head -n 1 \
+                                 | tr -s ' :' ' ' | sed 's/^ //' || true)
+    fi
+    [ -z "$first" ] || echo "./run.sh: $first failed first: its own lines ([${first/ /}]: ...) say why" >&2
   fi
   rm -f "$err"
   return "$status"

@@ -37,7 +37,7 @@ if not __package__:  # run as `torchrun mini_dist/checkpoint.py`: Python put min
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mini_dist.checkpoint_plan import Sharded, as_sharded, check_box, check_tiling, dtype_name, plan
-from mini_dist.kit import launch
+from mini_dist.kit import launch, wire
 from mini_dist.manifest import DTYPES, MANIFEST, VERSION, CheckpointError, literal_text, read_manifest
 
 
@@ -106,7 +106,7 @@ def save(state: dict, path: str, group=None) -> None:
         record = f"rank {rank}: {e}"
     records = [None] * world if rank == 0 else None
     verdict = [None]  # rank 0's: why the checkpoint was not saved, or None
-    dist.gather_object(record, records, group=group, group_dst=0)
+    wire.call(dist.gather_object, record, records, group=group, group_dst=0)
     if rank == 0:
         try:
             if failed := [r for r in records if isinstance(r, str)]:
@@ -117,7 +117,7 @@ def save(state: dict, path: str, group=None) -> None:
             os.close(descriptor)
         except (OSError, ValueError) as e:
             verdict = [f"checkpoint {path} not saved: {e}"]
-    dist.broadcast_object_list(verdict, group=group, group_src=0)  # every rank returns once it exists
+    wire.call(dist.broadcast_object_list, verdict, group=group, group_src=0)  # every rank returns once it exists
     if verdict[0]:
         raise CheckpointError(verdict[0])
 
@@ -174,7 +174,7 @@ def everyone(what: str, step, group=None):
     except (OSError, ValueError, KeyError, TypeError, CheckpointError) as e:
         result, problem = None, f"rank {dist.get_rank(group)}: {e}"
     problems = [None] * dist.get_world_size(group)
-    dist.all_gather_object(problems, problem, group=group)
+    wire.call(dist.all_gather_object, problems, problem, group=group)
     if any(problems):
         raise CheckpointError(f"{what}: " + "; ".join(p for p in problems if p))
     return result

@@ -142,7 +142,7 @@ def broadcast_from_rank0(module: nn.Module, group=None) -> None:
     """Every replica starts from group rank 0's parameters and buffers, after check_same_model."""
     check_same_model(module, group)
     for t in (*module.parameters(), *module.buffers()):
-        dist.broadcast(t.detach(), group=group, group_src=0)
+        wire.call(dist.broadcast, t.detach(), group=group, group_src=0)
 
 
 def check_same_model(module: nn.Module, group=None) -> None:
@@ -150,7 +150,7 @@ def check_same_model(module: nn.Module, group=None) -> None:
     different models would hang or corrupt. A difference is one error, on every rank, naming both sides."""
     mine = [(name, tuple(t.shape), t.dtype) for name, t in (*module.named_parameters(), *module.named_buffers())]
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    wire.call(dist.all_gather_object, everyone, mine, group=group)
     first = everyone[0]
     for rank, theirs in enumerate(everyone):
         if theirs == first:

@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_leaves
 if not __package__:  # run as `torchrun mini_dist/fsdp.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import flat_param, fsdp_state
-from mini_dist.kit import debug, launch, models, timing, weakly
+from mini_dist.kit import debug, launch, models, timing, weakly, wire
 
 
 class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
@@ -117,7 +117,7 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
         full.grad = None
         out = torch.empty(unit.shard_numel, dtype=grad.dtype, device=grad.device)
         self._collective(unit, "reduce-scatter of its gradient",
-                         partial(dist.reduce_scatter_single, out, grad, group=self.group))
+                         partial(wire.call, dist.reduce_scatter_single, out, grad, group=self.group))
         self._record("backward", unit, "reduce-scatter", out)
         out = out.div_(self.world).to(unit.shard.dtype)
         for p, g in zip(unit.params, unit.pieces(out)):  # each slice's .grad: a view of the flat gradient
@@ -132,7 +132,7 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
         for p in self.ignored:
             if p.requires_grad:
                 grad = torch.zeros_like(p) if p.grad is None else p.grad
-                dist.all_reduce(grad, group=self.group)
+                wire.call(dist.all_reduce, grad, group=self.group)
                 p.grad = grad.div_(self.world)
 
     # ----- gathering, freeing and prefetching, each collective recorded in the ledger
@@ -153,7 +153,7 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
             shard = unit.shard.to(full.dtype)  # in param_dtype: half the bytes on the wire
             # .data: autograd saved views of `full` in forward and checks they were not rewritten in
             # place; we refill the very values they held, so the write must not bump the version.
-            gather = partial(dist.all_gather_single, full.data, shard, group=self.group, async_op=True)
+            gather = partial(wire.call, dist.all_gather_single, full.data, shard, group=self.group, async_op=True)
             unit.work = (self._collective(unit, f"all-gather for {phase}", gather), shard)
             self._record(phase, unit, "all-gather", shard)
         if wait and unit.work is not None:
@@ -172,7 +172,7 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
         try:
             return run()
         except RuntimeError as e:  # a rank that left quietly is named: torchrun would blame the first to fail
-            cause = debug.lost_rank(self.group) or f"{e} (the first rank to fail says why in its own log)"
+            cause = debug.lost_rank() or f"{e} (the first rank to fail says why in its own log)"
             raise RuntimeError(f"FSDP unit {unit.name!r}: {what} failed on rank {dist.get_rank()}: {cause}") from e
 
     def _record(self, phase: str, unit, what: str, piece: torch.Tensor | None = None) -> None:

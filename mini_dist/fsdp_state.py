@@ -39,7 +39,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 if not __package__:  # run as `torchrun mini_dist/fsdp_state.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.flat_param import flatten_units, pick_units
-from mini_dist.kit import launch
+from mini_dist.kit import launch, wire
 
 
 def state_dict(module: nn.Module, units: list, group=None, prefix: str = "", keep_vars: bool = False) -> dict:
@@ -92,9 +92,9 @@ def full_state_dict(units: list, to: int | None = 0, group=None) -> dict:
     for u in units:
         flat = u.shard.new_empty(world * u.shard_numel)
         if to is None:
-            dist.all_gather_single(flat, u.shard, group=group)
+            wire.call(dist.all_gather_single, flat, u.shard, group=group)
         else:
-            dist.gather(u.shard, list(flat.chunk(world)) if rank == to else None, group=group, group_dst=to)
+            wire.call(dist.gather, u.shard, list(flat.chunk(world)) if rank == to else None, group=group, group_dst=to)
         if to is None or rank == to:  # clones: a view would make torch.save write the whole unit each time
             views = flat[:u.numel].split(u.numels)
             state.update((n, t.view(s).clone()) for n, t, s in zip(u.names, views, u.shapes))
@@ -116,9 +116,9 @@ def load_full_state_dict(units: list, state: dict | None, group=None, whole=()) 
         if rank == 0:
             flat = torch.cat([state[n].to(u.shard).reshape(-1) for n in u.names])
             pieces = list(torch.cat([flat, flat.new_zeros(world * u.shard_numel - u.numel)]).chunk(world))
-        dist.scatter(u.shard, pieces, group=group, group_src=0)
+        wire.call(dist.scatter, u.shard, pieces, group=group, group_src=0)
     for p in whole:
-        dist.broadcast(p.detach(), group=group, group_src=0)
+        wire.call(dist.broadcast, p.detach(), group=group, group_src=0)
 
 
 def sharded_state_dict(units: list) -> dict:
@@ -144,7 +144,7 @@ def agree(units: list, wrong: list, problem: str, group=None, whole=()) -> None:
     the collectives up wrong and hang."""
     everyone = [None] * dist.get_world_size(group)
     mine = [(u.name, u.numel, str(u.shard.dtype)) for u in units] + [tuple(p.shape) for p in whole]
-    dist.all_gather_object(everyone, (mine, wrong[:3]), group=group)
+    wire.call(dist.all_gather_object, everyone, (mine, wrong[:3]), group=group)
     bad = [r for r, (theirs, _) in enumerate(everyone) if theirs != everyone[0][0]]
     if bad:
         raise ValueError(f"ranks {bad} built other units than rank 0 ({everyone[0][0]} vs {everyone[bad[0]][0]}): "

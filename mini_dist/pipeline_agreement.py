@@ -34,7 +34,7 @@ from torch import nn
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import nccl_order
-from mini_dist.kit import launch
+from mini_dist.kit import launch, wire
 from mini_dist.pipeline_actions import COMPUTE, Schedule, route
 from mini_dist.pipeline_schedules import SCHEDULES
 from mini_dist.pipeline_stages import pipeline_chunks
@@ -55,7 +55,7 @@ def agree_on_step(schedule: Schedule, chunks: list, inputs, targets, loss_fn, gr
     crc = zlib.crc32(repr((plan, schedule.actions)).encode())
     mine = torch.tensor([crc, len(chunks), batch, n_targets], device=launch.device())
     everyone = torch.zeros(P * 4, dtype=torch.int64, device=launch.device())
-    dist.all_gather_single(everyone, mine, group=group)
+    wire.call(dist.all_gather_single, everyone, mine, group=group)
     everyone = everyone.view(P, 4)
     first_crc = everyone[0, 0].item()
     batch = everyone[0, 2].item()     # the first stage's
@@ -128,7 +128,7 @@ def name_the_disagreement(plan, schedule: Schedule, chunks: list, inputs, target
     P = dist.get_world_size(group)
     s = dist.get_rank(group)
     everyone = [None] * P
-    dist.all_gather_object(everyone, dict(
+    wire.call(dist.all_gather_object, everyone, dict(
         plan=plan, actions=zlib.crc32(repr(schedule.actions).encode()), chunks=len(chunks),
         inputs=len(inputs) if s == 0 and inputs is not None else None,
         targets=len(targets) if s == P - 1 and targets is not None and loss_fn is not None else None), group=group)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.buckets import Bucket, Timeline, build_buckets
-from mini_dist.kit import launch, models, weakly
+from mini_dist.kit import debug, launch, models, weakly, wire
 from mini_dist.ring_pipelined import ring_all_reduce
 
 
@@ -113,7 +113,7 @@ class Reducer:
             if self.hook:
                 bucket.future = self.hook(self.hook_state, bucket)
             elif self.all_reduce is dist.all_reduce:
-                bucket.future = dist.all_reduce(bucket.flat, group=self.group, async_op=True).get_future()
+                bucket.future = wire.call(dist.all_reduce, bucket.flat, group=self.group, async_op=True).get_future()
             else:
                 bucket.future = launch_on_comm_thread(functools.partial(self.all_reduce, bucket.flat, group=self.group))
         except Exception as e:
@@ -140,7 +140,7 @@ class Reducer:
         self.used = set()
         if self.find_unused_parameters:  # used on any rank: the ranks that did not use it added zeros
             anywhere = torch.tensor(used, dtype=torch.int32, device=self.params[0].device)
-            dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=self.group)
+            wire.call(dist.all_reduce, anywhere, op=dist.ReduceOp.MAX, group=self.group)
             used = anywhere.tolist()
         elif missing:
             raise RuntimeError(
@@ -161,7 +161,7 @@ class Reducer:
     def _failed(self, bucket: Bucket, error: Exception) -> RuntimeError:
         return RuntimeError(f"DistributedDataParallel on rank {self.rank}: the all-reduce of bucket {bucket.k} "
                             f"({', '.join(self.names[p] for p in bucket.params)}) failed: "
-                            f"{type(error).__name__}: {error}")
+                            f"{debug.failed(error, 'its all-reduce') or f'{type(error).__name__}: {error}'}")
 
 
 _comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mini_dist-ddp-comm")

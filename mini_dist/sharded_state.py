@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/sharded_state.py`: Python put mini_dist/ on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch, models
+from mini_dist.kit import launch, models, wire
 from mini_dist.zero_optimizer import ZeroOptimizer, copy_settings, settings
 
 
@@ -49,10 +49,10 @@ def consolidate(zero, own: torch.Tensor, to):
         return own  # every rank already holds all of it
     if to is None:
         full = own.new_empty(zero.partition.padded_numel)
-        dist.all_gather_single(full, own.contiguous(), group=zero.group)
+        wire.call(dist.all_gather_single, full, own.contiguous(), group=zero.group)
         return full
     parts = [torch.empty_like(own) for _ in range(zero.partition.world_size)] if zero.rank == to else None
-    dist.gather(own.contiguous(), parts, group=zero.group, group_dst=to)
+    wire.call(dist.gather, own.contiguous(), parts, group=zero.group, group_dst=to)
     return torch.cat(parts) if parts else None
 
 
@@ -94,7 +94,7 @@ def load_consolidated_state_dict(zero, state_dict, src=None) -> None:
     others may pass None) and it is broadcast; else every rank passes it."""
     if src is not None:
         box = [state_dict]
-        dist.broadcast_object_list(box, group=zero.group, group_src=src)
+        wire.call(dist.broadcast_object_list, box, group=zero.group, group_src=src)
         state_dict = box[0]
     groups, state = state_dict["param_groups"], state_dict["state"]
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in zero.param_groups]:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/zero_optimizer.py`: Python put mini_dist/ on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch, models
+from mini_dist.kit import launch, models, wire
 from mini_dist.zero import COLLECTIVES, Partition, flatten_into_buffer, zero1_step, zero2_step
 
 
@@ -167,7 +167,7 @@ def _agree(params: list, stage: int, collectives: str, model: tuple, group) -> N
                f"device; got {sorted({f'{p.dtype}/{p.device}' for p in params})}"
                if not params or len({(p.dtype, p.device) for p in params}) > 1 else None)
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (problem, *model), group=group)
+    wire.call(dist.all_gather_object, everyone, (problem, *model), group=group)
     for r, (problem, *theirs) in enumerate(everyone):
         if problem:
             raise ValueError(f"rank {r}: {problem}")

@@ -4,7 +4,8 @@
   forward, 4(C-1)/C |K| backward), the pipeline (M activations each way and one shape header), the expert
   all-to-all (its payload once); the collectives count into the same ledger; MINI_DIST_DEBUG's traffic (the
   pools run with it on) is never counted;
-- a peer that exits is named whether the send or receive fails as it is posted or while it is waited for;
+- a peer that exits is named whether the send or receive fails as it is posted or while it is waited for (and
+  when no rank of the world failed, the peer itself, as lost or as waited for until the timeout);
 - a label is formatted only when a line is asked for (VERBOSE=1) or a peer is lost; watchers see every message
   and collective, peers as global ranks.
 """
@@ -166,8 +167,9 @@ def test_a_peer_that_exits_is_named_whether_the_message_fails_as_posted_or_while
     assert "rank 1 failed: died (exit code 0)" in text
     doing = {"irecv": "receiving from it", "isend": "sending to it", "batch": "(posting a batch|sending to it|"
              "receiving from it)"}[how]
-    assert re.search(rf"rank 0 failed: PeerLost: a test \w+, {doing}: lost rank 1 \(.*Connection (closed|reset) "
-                     rf"by peer.*look for the first error in rank 1's log", text), text
+    assert re.search(rf"rank 0 failed: PeerLost: a test \w+, {doing}: lost rank 1 \(it vanished: .*\)\. Rank 0 "
+                     rf"stopped after losing rank 1; look for the first error in rank 1's log \(.*Connection "
+                     rf"(closed|reset) by peer", text), text
     where = text[text.index("rank 0 failed"):]
     assert (", in _post" in where or ", in batch" in where) == (at == "post"), where  # the wire raised it there
 

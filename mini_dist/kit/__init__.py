@@ -4,6 +4,7 @@
     wire     every message (send, receive, a batch of them), waited for, a lost peer named; the one byte
              ledger that messages and collectives are counted in
     debug    ranks that disagree (named before the collective runs) or vanish (named by their peers)
+    fates    how each rank ended (raised, left, lost a peer, gone) and which one failed first
     measure  bytes saved for backward, activations alive over a step, a step's peak
     activations  a transformer layer that saves Korthikanti's count; checkpointing strategies measured side by side
     timing   wall-clock time of a distributed call, slowest rank, with its noise

@@ -16,8 +16,8 @@ torch's collectives: with MINI_DIST_DEBUG=1, every mini_dist collective first al
 raises a `Disagreement` naming both ranks, both shapes and the line that called. It costs one extra
 latency-bound collective per collective, so it is off by default, and then costs one `if`. (A pipeline
 agrees on its schedule once per step, always: a wrong microbatch count would otherwise hang.) The cure for
-the third is in the kit's wire (mini_dist/kit/wire.py): a send or receive that fails raises `PeerLost`,
-naming the peer it was talking to, so the chain of "look at rank X's log" leads to the rank that died first.
+the third: a send or receive that fails (kit/wire.py), or a collective (`failed`), raises `PeerLost` naming
+the rank that failed first, however it ended, and not the peer it was talking to (kit/fates.py).
 `check_collective` is the ring collectives' guard: agreement (under debug) and input every rank refuses alike.
 
     torchrun --standalone --nproc_per_node=3 mini_dist/kit/debug.py      # the silent sum, then the named error
@@ -30,14 +30,13 @@ import datetime
 import os
 import re
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/kit/debug.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from mini_dist.kit import launch
+from mini_dist.kit import fates, launch
 
 DEBUG = os.environ.get("MINI_DIST_DEBUG") == "1"
 
@@ -76,7 +75,13 @@ def agree(operation: str, signature, group=None) -> None:
         return
     mine = (operation, str(signature), call_site())
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    try:
+        dist.all_gather_object(everyone, mine, group=group)
+    except RuntimeError as e:
+        named = failed(e, f"agreeing before {operation}")
+        if named is None:
+            raise
+        raise named from e
     global_rank = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
     for rank, theirs in enumerate(everyone):
         if theirs != everyone[0]:
@@ -111,21 +116,25 @@ def check_collective(tensor: torch.Tensor, op, group, name: str, also: str = "")
 TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")  # gloo's words for a wait that outlived the group's timeout
 
 
-def lost_rank(group=None, wait_s: float = 1.0) -> str:
-    """'lost rank r (...)' for the ranks of `group` that left it while it ran (launch.leave wrote their word in
-    the store), waiting up to wait_s for a word still on its way; '' if none did, or the store went too."""
-    store, deadline = dist.distributed_c10d._get_default_store(), time.monotonic() + wait_s
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    while True:
-        try:
-            left = [r for r in ranks if store.check([f"{launch.LEFT}{r}"])]
-        except (RuntimeError, ValueError):
-            return ""
-        if left or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    return "; ".join(f"lost rank {r} (it left the group while this rank waited for it: returned or exited, "
-                     f"maybe with status 0, without a word; its log says why)" for r in left)
+def lost_rank() -> str:
+    """'lost rank r (how it ended). Rank me stopped after ...' for the rank of the world that failed first
+    (it raised, left, or vanished), this rank recorded as its victim; '' if no rank failed."""
+    return fates.blame()[1]
+
+
+def failed(error: BaseException, what: str) -> PeerLost | None:
+    """The error to raise when torch's collective `what` raised `error`: if a connection was lost or a wait
+    outlived the timeout, a PeerLost naming the rank that failed first; None for any other error (raise it)."""
+    if isinstance(error, (PeerLost, Disagreement)) or not fates.broken(error):
+        return None
+    cause = lost_rank()
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if cause:
+        return PeerLost(f"{what}: {cause} ({first})")
+    if TIMED_OUT.search(str(error)):
+        return PeerLost(f"{what}: waited until the group's timeout ({first}): a rank of the group never joined "
+                        f"it, and none failed; is it waiting for this rank?")
+    return PeerLost(f"{what} failed ({first}); the first rank to fail says why in its own log")
 
 
 # ----- demo: the silent sum, then the same mistake named; a rank that never arrives, named -----

@@ -9,7 +9,8 @@ them, picks a backend and a device, and joins the process group:
     gloo + cpu               otherwise (a laptop, CI), or when MINI_DIST_BACKEND=gloo says so
 
 Every group is created with a timeout (MINI_DIST_TIMEOUT seconds, default 120): if a rank dies or hangs,
-the others raise instead of waiting forever, and torchrun's report names the rank that failed first.
+the others raise instead of waiting forever, naming the rank that failed first, however it ended (kit/fates.py:
+each rank says in the group's store how it ended, and keeps a socket its kernel answers while it lives).
 `conclude()` ends a demo: every rank agrees on pass/fail (one all-reduce of MIN), rank 0 prints the
 summary line that `./run.sh` collects, and the exit code is non-zero if any check failed.
 
@@ -37,6 +38,10 @@ import torch.distributed as dist
 # destroy_process_group, its gloo worker threads alive while Python exits, and a worker that then releases a
 # collective's tensor aborts the process (SIGABRT; pytorch/pytorch#179291 describes the race)
 import torch.distributed.nn  # noqa: F401
+
+if not __package__:  # run as `torchrun mini_dist/kit/launch.py`: Python put mini_dist/kit/ on the path, not the repo
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from mini_dist.kit import fates
 
 VERBOSE = os.environ.get("VERBOSE") == "1"
 
@@ -103,16 +108,14 @@ def main(parser: argparse.ArgumentParser, demo, argv=None) -> int:
     return code
 
 
-LEFT = "mini_dist/left/"  # + rank: the store key of a rank that left its group while the group ran
-
-
 def leave() -> None:
     """Leave the group without shutdown() (a demo that returned early, sys.exit, an uncaught error): say so
-    in the group's store first, so that the ranks left waiting in a collective name this rank
-    (debug.lost_rank) rather than fail as if they were the cause, which is what torchrun would report."""
+    in the group's store first (unless this rank said already that it raised or lost a peer), so that the
+    ranks left waiting in a collective name this rank rather than fail as if they were the cause, which is
+    what torchrun would report."""
     if dist.is_initialized():
         try:
-            dist.distributed_c10d._get_default_store().set(f"{LEFT}{dist.get_rank()}", "left")
+            fates.record("left")
         except (RuntimeError, ValueError):  # the store's host left already: the raw error is all there is
             pass
         dist.destroy_process_group()
@@ -165,6 +168,9 @@ def setup(backend: str | None = None, seed: int = 0) -> Env:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout(),
                                 device_id=device if backend == "nccl" else None)
         atexit.register(leave)  # an exit outside main(): a script's sys.exit, an uncaught error
+        if world > 1:
+            fates.listen()  # the survivors of a rank that ends without a word still learn that it ended
+            fates.hook_uncaught_errors()  # an uncaught error is recorded as this rank's own, or its cause's
     torch.manual_seed(seed)
     return Env(rank, world, local_rank, backend, device)
 

@@ -17,8 +17,9 @@ import traceback
 from multiprocessing import connection, get_context
 
 import torch
+import torch.distributed as dist
 
-from mini_dist.kit import debug, launch
+from mini_dist.kit import debug, fates, launch
 
 GRACE_S = float(os.environ.get("MINI_DIST_GRACE", "3"))  # how long the others may answer once one rank failed
 # a whole call, and each collective of a rank within it (./run.sh check shortens both: a hang is named in seconds)
@@ -31,36 +32,53 @@ BROKEN = re.compile(r"died|[Tt]imed out|[Tt]imeout|pair closure|Connection|PeerL
 
 
 class RankFailure(RuntimeError):
-    """One or more ranks raised, died or hung; the message names each of them."""
+    """One or more ranks raised, died or hung; the message names each of them. .replies: {rank: ("ok", its
+    result) or ("err", (message, traceback))} of the ranks that answered."""
+
+    def __init__(self, message: str, replies: dict | None = None):
+        super().__init__(message)
+        self.replies = replies or {}
 
 
 def _worker(rank: int, world: int, port: int, conn, backend: str, env: dict) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      MINI_DIST_TIMEOUT=RANK_TIMEOUT_S)
+                      MINI_DIST_TIMEOUT=env.get("MINI_DIST_TIMEOUT", RANK_TIMEOUT_S))
     for key, value in env.items():
         os.environ.setdefault(key, value)
     debug.DEBUG = os.environ.get("MINI_DIST_DEBUG") == "1"  # it was read in the server, without this env
     torch.set_num_threads(1)  # 5 ranks on 2 cores: intra-op threads would only fight each other
     launch.setup(backend)
     conn.send_bytes(pickle.dumps(("ready", rank)))
+    failed = False
     while True:
         message = conn.recv_bytes()
         if not message:
             break
         fn, args, kwargs = pickle.loads(message)
+        if failed and world > 1:  # a group kept after every rank raised alike: its fates were of that call
+            dist.distributed_c10d._get_default_store().delete_key(f"{fates.FATE}{rank}")
         try:
             reply = ("ok", fn(*args, **kwargs))
             payload = pickle.dumps(reply)
+            failed = False
+        except SystemExit:  # fn ended this rank as a script's sys.exit would: its word first (launch.leave)
+            launch.leave()
+            raise
         except BaseException as e:  # report everything, including a failed pickle of the result
-            payload = pickle.dumps(("err", (f"{type(e).__name__}: {e}", traceback.format_exc())))
+            failed = True
+            said = fates.record_failure(e)[0] if world > 1 else ""  # as launch's hook of uncaught errors does
+            payload = pickle.dumps(("err", (f"{type(e).__name__}: {e}", traceback.format_exc() + said)))
         conn.send_bytes(payload)
     launch.shutdown()
 
 
 class Pool:
-    def __init__(self, world: int, backend: str, preload=(), env=None):
+    def __init__(self, world: int, backend: str, preload=(), env=None, grace_s: float = GRACE_S):
+        """env: the ranks' environment (MINI_DIST_TIMEOUT in it replaces MINI_DIST_RANK_TIMEOUT); grace_s: how
+        long the others may answer once one rank failed."""
         self.world, self.backend, self.preload, self.env = world, backend, list(preload), dict(env or {})
+        self.grace_s = grace_s
         self.procs, self.conns = [], []
         self.start()
 
@@ -84,7 +102,7 @@ class Pool:
             raise RankFailure(f"pool of {self.world} ranks failed to start:\n{message}")
 
     def _collect(self, deadline: float) -> dict:
-        """Wait for a reply from every rank; stop early (after GRACE_S) once one has failed."""
+        """Wait for a reply from every rank; stop early (after grace_s) once one has failed."""
         replies, pending = {}, set(range(self.world))
         while pending:
             now = time.monotonic()
@@ -105,7 +123,7 @@ class Pool:
                     replies[rank] = ("err", (f"died (exit code {code})", f"rank {rank} died\n"))
                 pending.discard(rank)
                 if replies[rank][0] == "err":
-                    deadline = min(deadline, time.monotonic() + GRACE_S)
+                    deadline = min(deadline, time.monotonic() + self.grace_s)
         return replies
 
     def _describe(self, replies: dict) -> str:
@@ -131,7 +149,7 @@ class Pool:
         if not everyone_agreed:
             self.close(graceful=False)
             self.start()
-        raise RankFailure(f"{fn.__name__} failed on {self.world} ranks:\n{message}")
+        raise RankFailure(f"{fn.__name__} failed on {self.world} ranks:\n{message}", replies)
 
     def close(self, graceful: bool = True) -> None:
         """Ask the ranks to leave the group together; a broken group is simply killed."""

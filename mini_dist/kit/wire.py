@@ -7,11 +7,15 @@
     irecv(tensor, peer, group, label)
     wait(posted)                                    wait for it; a peer that died is named (PeerLost)
     with collective(kind, nbytes, group): ...       around one of torch's collectives: counted, watched
+    call(dist.fn, *args, group=group, **kwargs)     one of torch's collectives called by a module that keeps its
+                                                    own books (DDP, ZeRO, FSDP, the checkpoint): watched
     LEDGER                                          what this rank moved, by kind
 
-Peers are ranks of `group`, as torch's group_peer; errors name global ranks. Empty tensors stay home: both
-ends skip the same empty piece. A batch is what NCCL needs: it runs a rank's unbatched sends and receives
-in order on one stream, where a ring whose ranks all send first waits forever (mini_dist/nccl_order.py).
+Peers are ranks of `group`, as torch's group_peer; errors name global ranks: a message or a collective that
+fails names the rank of the world that failed first (kit/fates.py), not the peer it was talking to. Empty
+tensors stay home: both ends skip the same empty piece. A batch is what NCCL needs: it runs a rank's unbatched
+sends and receives in order on one stream, where a ring whose ranks all send first waits forever
+(mini_dist/nccl_order.py).
 
 The ledger counts, per kind (what the bytes are for): calls and payload bytes (the D of the formulas: a
 collective's tensor, a message's bytes at its send), and the bytes point-to-point sends and receives moved.
@@ -23,8 +27,9 @@ and received only: the call that posts it counted its payload already (the exper
 but never counted, watched or printed, so every figure and VERBOSE line reads the same with debug on or off.
 
 `LEDGER.watchers` are called with every counted message as it is about to be posted, and every collective:
-watcher(event, peer, group, nbytes, kind, label), event "send", "recv" or the collective's kind, peer a
-global rank (None for a collective). topology.Links sorts the bytes by link there (and delays some).
+watcher(event, peer, group, nbytes, kind, label), event "send", "recv" or the collective's kind (its torch
+name, with kind None, for a `call`), peer a global rank (None for a collective). topology.Links sorts the bytes
+by link there (and delays some); tests/test_dead_rank.py ends a rank at the k-th.
 
 Cost when nothing is asked: a few Counter updates a message; a label is formatted only under VERBOSE=1 (one
 line per message, prefixed by the rank) or when a peer is lost.
@@ -36,7 +41,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from mini_dist.kit import debug, launch
+from mini_dist.kit import debug, fates, launch
 
 RING = "ring"
 DEBUG = "debug"
@@ -93,17 +98,56 @@ class Ledger:
 LEDGER = Ledger()
 
 
-class collective:
-    """with collective("all_reduce", x.nbytes, group): dist.all_reduce(x, group=group)  -> counted, watched."""
+class naming:
+    """with naming("all_reduce"): ...  -> a lost connection or a wait past the timeout inside raises PeerLost,
+    naming the rank that failed first (debug.failed); any other error passes as it is."""
 
-    def __init__(self, kind: str, nbytes: int, group=None, label=None):
-        LEDGER.record(kind, nbytes, group, label)
+    def __init__(self, what: str):
+        self.what = what
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, error, traceback):
+        named = error is not None and debug.failed(error, self.what)
+        if named:
+            raise named from error
         return False
+
+
+class collective(naming):
+    """with collective("all_reduce", x.nbytes, group): dist.all_reduce(x, group=group)  -> counted, watched, and
+    a failure named."""
+
+    def __init__(self, kind: str, nbytes: int, group=None, label=None):
+        LEDGER.record(kind, nbytes, group, label)
+        super().__init__(kind)
+
+
+def call(collective_fn, *args, group=None, **kwargs):
+    """collective_fn(*args, group=group, **kwargs): one of torch's collectives, not counted (its module keeps its
+    own books), seen by the watchers, and its failure named; an async_op's too, when waited for."""
+    what = collective_fn.__name__
+    for watcher in LEDGER.watchers:
+        watcher(what, None, group, 0, None, None)
+    with naming(what):
+        work = collective_fn(*args, group=group, **kwargs)
+    return Named(work, what) if kwargs.get("async_op") else work
+
+
+class Named:
+    """An async collective's work, its failure named when waited for (any other method: the work's own)."""
+
+    def __init__(self, work, what: str):
+        self.work = work
+        self.what = what
+
+    def wait(self):
+        with naming(self.what):
+            return self.work.wait()
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
 
 
 def global_rank(group, peer: int) -> int:
@@ -210,12 +254,22 @@ def compare_sizes(send, dst: int, recv, src: int, group, label) -> None:
 
 
 def lost(error: RuntimeError, peer, group, doing: str, label) -> debug.PeerLost:
-    """The error to raise when a send to / receive from group rank `peer` failed (a tuple: one of a batch's)."""
+    """The error to raise when a send to / receive from group rank `peer` failed (a tuple: one of a batch's):
+    it names the rank of the world that failed first (kit/fates.py), which may not be this peer."""
     peers = peer if isinstance(peer, tuple) else (peer,)
-    who = " or ".join(f"rank {global_rank(group, p)}" for p in dict.fromkeys(peers))
-    what = f"{label}, {doing} it" if doing in (SEND, RECV) else f"{label}, {doing}"
+    ranks = list(dict.fromkeys(global_rank(group, p) for p in peers))
+    who = " or ".join(f"rank {r}" for r in ranks)
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
-    if debug.TIMED_OUT.search(str(error)):  # alive but silent: most often it waits too, for this rank
+    timed_out = bool(debug.TIMED_OUT.search(str(error)))
+    cause, said = fates.blame(waited_for=ranks[0] if timed_out and len(ranks) == 1 else None)
+    here = cause is None or cause in ranks  # the peer is the cause: no need to say who the peer was
+    if doing in (SEND, RECV):
+        what = f"{label}, {doing} {'it' if here else who}"
+    else:
+        what = f"{label}, {doing}{'' if here else f' with {who}'}"
+    if cause is not None:
+        return debug.PeerLost(f"{what}: {said} ({first})")
+    if timed_out:  # alive but silent: most often it waits too, for this rank
         return debug.PeerLost(f"{what}: waited for {who} until the group's timeout ({first}): {who} never posted "
                               f"the matching operation; is it waiting for this rank?")
     return debug.PeerLost(f"{what}: lost {who} ({first}); look for the first error in {who}'s log: it died, was "
