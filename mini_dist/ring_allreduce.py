@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch
+from mini_dist.kit import launch, trace
 from mini_dist.kit.debug import check_collective
 from mini_dist.kit.wire import LEDGER, send_recv
 
@@ -172,37 +172,39 @@ def _total(x: float, op=SUM, group=None) -> float:
 
 
 def ring_step_picture(group=None) -> tuple[str, bool]:
-    """Who holds what after each step of one textbook ring all-reduce, recorded from the run itself: rank r's
-    tensor starts as 2^r (int64, two elements per chunk), so a chunk's value names the ranks summed into it,
-    and each batch_isend_irecv the ring posts is intercepted to note the state and the chunk sent. Returns
-    (the table, whether rank r holds chunk r complete after N-1 steps and every rank all of it after 2(N-1))."""
+    """Who holds what after each step of one textbook ring all-reduce, drawn from the run's trace (kit/trace.py):
+    each message recorded says where in its buffer it lies (its chunk) and meets the receive that got it, so
+    following them step by step tells how many ranks' data each chunk holds. Rank r's tensor starts as 2^r,
+    so the result also names the ranks summed into it. Returns (the table, whether rank r holds chunk r
+    complete after N-1 steps and every rank all of it after 2(N-1), as the tensors say too)."""
     r, n = dist.get_rank(group), dist.get_world_size(group)
     x = torch.full((2 * n,), 1 << r, dtype=torch.int64, device=launch.device())
     starts = [a for a, _ in chunk_bounds(x.numel(), n, x.element_size())]
-    states, sent, real = [], [-1], dist.batch_isend_irecv
-
-    def recording(ops):
-        states.append(x.clone())
-        sent.extend(starts.index((op.tensor.data_ptr() - x.data_ptr()) // 8) for op in ops if op.op is dist.isend)
-        return real(ops)
-    dist.batch_isend_irecv = recording
-    try:
+    with trace.recording() as records:
         ring_all_reduce(x, SUM, group)
-    finally:
-        dist.batch_isend_irecv = real
-    rows = [[bin(int(s[a])).count("1") for a in starts] + [c] for s, c in zip(states + [x], sent)]  # [2N-1, N+1]
-    everyone = torch.empty(n * len(rows) * (n + 1), dtype=torch.int64, device=launch.device())
-    dist.all_gather_single(everyone, torch.tensor(rows, device=launch.device()).view(-1), group=group)
-    seen = everyone.view(n, len(rows), n + 1).tolist()  # [rank, row, chunk counts + the chunk sent]
+    everyone = trace.everyone(records, group)
+    ranks = list(everyone)
+    got = trace.received(everyone)  # [rank][k]: (sender, its send, which send) of the k-th message it received
+    held = [[{q} for _ in range(n)] for q in range(n)]  # [rank][chunk]: the ranks summed into it
+    rows = [[[1] * n + [-1] for _ in range(n)]]  # [step][rank]: chunk counts + the chunk sent (-1: none)
+    for k in range(2 * (n - 1)):
+        before = [[set(c) for c in chunks] for chunks in held]
+        for q, g in enumerate(ranks):
+            p, send, _ = got[g][k]
+            c = starts.index(send.args["offset"])  # where the message lay in the sender's tensor: its chunk
+            held[q][c] = before[q][c] | before[ranks.index(p)][c] if k < n - 1 else before[ranks.index(p)][c]
+        sent = [starts.index([m for m in everyone[g] if m.what == trace.SEND][k].args["offset"]) for g in ranks]
+        rows.append([[len(c) for c in held[q]] + [sent[q]] for q in range(n)])
     label = lambda k: "start" if k == 0 else f"reduce-scatter {k}" if k < n else f"all-gather {k - n + 1}"  # noqa: E731
-    cell = lambda q, k: "".join(f"{c:>2}{'<' if j == seen[q][k][n] else ' '}"  # noqa: E731
-                                for j, c in enumerate(seen[q][k][:n]))
+    cell = lambda q, k: "".join(f"{c:>2}{'<' if j == rows[k][q][n] else ' '}"  # noqa: E731
+                                for j, c in enumerate(rows[k][q][:n]))
     lines = [f"{'after step':<18}" + "".join(f" rank {q:<{3 * n - 4}}" for q in range(n))]
     lines += [f"{label(k):<18}" + "".join(cell(q, k) + "  " for q in range(n)) for k in range(len(rows))]
-    ok = all(seen[q][n - 1][q] == n and seen[q][-1][:n] == [n] * n for q in range(n))
+    ok = all(rows[n - 1][q][q] == n and rows[-1][q][:n] == [n] * n for q in range(n))
+    ok &= bool((x == (1 << n) - 1).all())  # the tensors agree: every chunk holds 2^0 + ... + 2^(N-1)
     return (f"one ring all-reduce on {n} ranks, step by step: how many ranks' data each chunk holds ({n} = fully "
-            f"reduced); < = the chunk the rank sent to its left at that step (recorded: rank r starts with 2^r, so "
-            f"a chunk's value names the ranks summed into it)\n" + "\n".join(lines)), ok
+            f"reduced); < = the chunk the rank sent to its left at that step (from the run's trace: each message "
+            f"met the receive that got it)\n" + "\n".join(lines)), ok
 
 
 def what_each_rank_holds(group=None) -> tuple[str, bool]:

@@ -38,6 +38,8 @@ import torch.distributed as dist
 # collective's tensor aborts the process (SIGABRT; pytorch/pytorch#179291 describes the race)
 import torch.distributed.nn  # noqa: F401
 
+from mini_dist.kit import trace as tracing
+
 VERBOSE = os.environ.get("VERBOSE") == "1"
 
 
@@ -77,6 +79,10 @@ def demo_parser(doc: str) -> argparse.ArgumentParser:
     """A demo's command line: its module docstring's first paragraph as the description, defaults shown.
     Every rank parses the same arguments; only rank 0 prints help or errors, so they appear once."""
     parser = argparse.ArgumentParser(description=doc.strip().split("\n\n")[0], formatter_class=_HelpFormatter)
+    parser.add_argument("--trace", metavar="PATH", default=os.environ.get("MINI_DIST_TRACE"),
+                        help="write every rank's run to PATH, one trace for Perfetto (ui.perfetto.dev)")
+    parser.add_argument("--trace-torch", action="store_true", default=os.environ.get("MINI_DIST_TRACE_TORCH") == "1",
+                        help="with --trace: torch.profiler's events too (on by default under NCCL)")
     if env_rank() != 0:
         parser._print_message = lambda message, file=None: None
     return parser
@@ -86,7 +92,9 @@ def main(parser: argparse.ArgumentParser, demo, argv=None) -> int:
     """Parse, run demo(args), return its exit code. A UsageError becomes one line from rank 0 and exit
     status 2 on every rank (argparse's own convention), with no traceback."""
     try:
-        code = demo(parser.parse_args(argv))
+        args = parser.parse_args(argv)
+        tracing.ask(getattr(args, "trace", None), getattr(args, "trace_torch", False))
+        code = demo(args)
         # groups the demo left in reference cycles (a DeviceMesh's) are freed now, their gloo threads joined,
         # and not while Python exits (see `import torch.distributed.nn` above)
         gc.collect()
@@ -165,6 +173,7 @@ def setup(backend: str | None = None, seed: int = 0) -> Env:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout(),
                                 device_id=device if backend == "nccl" else None)
         atexit.register(leave)  # an exit outside main(): a script's sys.exit, an uncaught error
+    tracing.start()  # if --trace asked for one: record from here to conclude()
     torch.manual_seed(seed)
     return Env(rank, world, local_rank, backend, device)
 
@@ -208,6 +217,7 @@ def conclude(module: str, check_ok: bool, check: str, figure_ok: bool, figure: s
     ok = torch.tensor([int(check_ok), int(figure_ok)], device=device())
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     check_ok, figure_ok = bool(ok[0]), bool(ok[1])
+    tracing.finish()  # if --trace asked for one: every rank's records to rank 0, which writes the file
     print0(f"SUMMARY|{module}|{'PASS' if check_ok else 'FAIL'} {check}|"
            f"{'PASS' if figure_ok else 'FAIL'} {figure}")
     shutdown()

@@ -26,8 +26,10 @@ but never counted, watched or printed, so every figure and VERBOSE line reads th
 watcher(event, peer, group, nbytes, kind, label), event "send", "recv" or the collective's kind, peer a
 global rank (None for a collective). topology.Links sorts the bytes by link there (and delays some).
 
-Cost when nothing is asked: a few Counter updates a message; a label is formatted only under VERBOSE=1 (one
-line per message, prefixed by the rank) or when a peer is lost.
+A trace (kit/trace.py: --trace run.json on any demo) records every message posted and waited for, and every
+collective, as slices with arrows from each send to its receive. Cost when nothing is asked: a few Counter
+updates a message, and one `if` for the trace; a label is formatted only under VERBOSE=1 (one line per
+message, prefixed by the rank) or when a peer is lost.
 
 Mirrors torch.distributed's isend / irecv / batch_isend_irecv (P2POp) and its Work.wait().
 """
@@ -36,7 +38,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from mini_dist.kit import debug, launch
+from mini_dist.kit import debug, launch, trace
 
 RING = "ring"
 DEBUG = "debug"
@@ -91,6 +93,7 @@ class Ledger:
 
 
 LEDGER = Ledger()
+trace.WATCHERS = LEDGER.watchers  # a trace (kit/trace.py) watches the wire while it records
 
 
 class collective:
@@ -103,6 +106,8 @@ class collective:
         return self
 
     def __exit__(self, *exc):
+        if trace.ON:
+            trace.done()
         return False
 
 
@@ -133,6 +138,8 @@ def _post(doing, tensor, peer, group, label, kind):
             work = dist.irecv(tensor, group=group, group_src=peer)
     except RuntimeError as e:
         raise lost(e, peer, group, doing, label) from e
+    if trace.ON:
+        trace.posted([work], [tensor])
     return work, doing, peer, group, label
 
 
@@ -141,7 +148,10 @@ def wait(posted) -> None:
     if posted is not None:
         work, doing, peer, group, label = posted
         try:
-            work.wait()
+            if trace.ON:
+                trace.wait(work)
+            else:
+                work.wait()
         except RuntimeError as e:  # gloo: "Connection reset by peer" or a timeout; NCCL: its own report
             raise lost(e, peer, group, doing, label) from e
 
@@ -162,6 +172,8 @@ def batch(ops, group, label, kind=RING) -> list:
         works = dist.batch_isend_irecv(p2p)
     except RuntimeError as e:
         raise lost(e, tuple(peer for _, _, peer in ops), group, "posting a batch", label) from e
+    if trace.ON:
+        trace.posted(works, [tensor for _, tensor, _ in ops])
     if len(works) == len(ops):
         return [(work, doing, peer, group, label) for work, (doing, _, peer) in zip(works, ops)]
     return [(work, "in a batch", tuple(peer for _, _, peer in ops), group, label) for work in works]
