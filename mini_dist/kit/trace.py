@@ -103,6 +103,9 @@ def recording():
 
 def _listen(sink: list) -> None:
     global ON
+    if not _sinks:  # a fresh start: what an earlier recording left half done stays out
+        for state in (_seq, _pending, _open, _waiting):
+            state.clear()
     _sinks.append(sink)
     ON = True
     if watch not in WATCHERS:

@@ -34,7 +34,8 @@ def chrome(everything: list, offsets: dict) -> dict:
     zero = min([r.start - offsets[rank][0] for rank, records, _, _ in everything for r in records] or [0])
     events = []
     ids = itertools.count(1)
-    where = {}  # (rank, message id) -> (tid, ts, dur) of the slice an arrow binds to: its post, then its wait
+    posts = {}  # (rank, message id) -> (tid, ts, dur) of the slice that posted it: where an arrow starts
+    waits = {}  # ... of the wait that completed it: where an arrow ends (a receive never waited for: its post)
 
     def us(rank, t):
         return round((t - offsets[rank][0] - zero) / 1000, 3)
@@ -71,15 +72,17 @@ def chrome(everything: list, offsets: dict) -> dict:
                 track = tid(r.track, r.thread)
                 dur = round(us(rank, r.end) - ts, 3)
                 events.append(dict(base, ph="X", tid=track, dur=dur))
-                for m in [r.args["id"]] if r.what in (SEND, RECV) else r.args["messages"] if r.what == WAIT else []:
-                    where[rank, m] = (track, ts, dur)
+                if r.what in (SEND, RECV):
+                    posts[rank, r.args["id"]] = (track, ts, dur)
+                for m in r.args["messages"] if r.what == WAIT else ():
+                    waits[rank, m] = (track, ts, dur)
         events += remapped(torch_events, rank, offsets[rank][0] + zero, ids)
     for sender, send, receiver, receive in pairs({rank: records for rank, records, _, _ in everything}):
         flow = next(ids)
-        track, ts, dur = where[sender, send.args["id"]]
+        track, ts, dur = posts[sender, send.args["id"]]
         events.append(dict(ph="s", id=flow, cat="message", name="message", pid=sender, tid=track,
                            ts=round(ts + dur / 2, 3)))
-        track, ts, dur = where[receiver, receive.args["id"]]
+        track, ts, dur = waits.get((receiver, receive.args["id"]), posts[receiver, receive.args["id"]])
         events.append(dict(ph="f", bp="e", id=flow, cat="message", name="message", pid=receiver, tid=track,
                            ts=round(ts + dur * 0.9, 3)))  # near the wait's end: when the message had arrived
     events.sort(key=lambda e: (e["ph"] != "M", e.get("ts", 0), -e.get("dur", 0)))
