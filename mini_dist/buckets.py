@@ -11,10 +11,11 @@ exists. DDP's answer is buckets: a few flat buffers of about bucket_cap bytes ea
 
 Last to first, because backward produces the gradients roughly last layer first: bucket 0 fills first.
 A bucket is one flat tensor with a view per gradient, so one all-reduce moves them all; a communication hook
-sees it through torch's GradBucket methods (index, buffer, gradients, parameters, is_last). A Timeline
-is one backward as the buckets saw it (ready, sent, done), read from its trace records (kit/trace.py: the
-same records a trace file shows), and the share of all-reduce time hidden behind backward. The demo sends the buckets after backward, one after another (0% hidden):
-mini_dist/reducer.py sends each one the moment it is full, while backward goes on.
+sees it through torch's GradBucket methods (index, buffer, gradients, parameters, is_last). A Timeline is
+one backward as the buckets saw it (ready, sent, done), read from its trace records (kit/trace.py: the same
+records a trace file shows), and the share of all-reduce time hidden behind backward. The demo sends the
+buckets after backward, one after another (0% hidden): mini_dist/reducer.py sends each one the moment it is
+full, while backward goes on.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/buckets.py [--bucket-cap-mb 0 0.25 1]
 
