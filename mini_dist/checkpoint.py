@@ -45,7 +45,7 @@ import torch.distributed as dist
 if not __package__:  # run as `torchrun mini_dist/checkpoint.py`: Python put mini_dist/ on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mini_dist.kit import launch, timing
+from mini_dist.kit import launch, timing, trace
 from mini_dist.manifest import (DTYPES, MANIFEST, VERSION, CheckpointError, literal_text, overlap, read_manifest,
                                 tiling)
 
@@ -100,7 +100,8 @@ def write_shard(state: dict, path: str, rank: int) -> dict:
                                          "crc32": zlib.crc32(raw)})
                 chunks.append(raw)
                 start += raw.nbytes
-    write_atomically(os.path.join(path, name_of_file), chunks)
+    with trace.span(f"write {name_of_file}", trace.STORAGE, bytes=start):  # a slice of a trace (kit/trace.py)
+        write_atomically(os.path.join(path, name_of_file), chunks)
     record["file"] = (name_of_file, start)
     return record
 
@@ -140,7 +141,8 @@ def save(state: dict, path: str, group=None) -> None:
         try:
             if failed := [r for r in records if isinstance(r, str)]:
                 raise ValueError("; ".join(failed))
-            write_atomically(os.path.join(path, MANIFEST), [json.dumps(merge(records)).encode()])
+            with trace.span(f"write {MANIFEST}, last", trace.STORAGE):
+                write_atomically(os.path.join(path, MANIFEST), [json.dumps(merge(records)).encode()])
             descriptor = os.open(path, os.O_RDONLY)
             os.fsync(descriptor)  # the renames themselves reach the disk
             os.close(descriptor)
@@ -226,7 +228,8 @@ def load(state: dict, path: str, group=None) -> dict:
     def read():
         manifest = read_manifest(path)
         reads = plan(manifest, state)
-        return manifest, reads, read_pieces(path, manifest, reads)
+        with trace.span("read the pieces wanted", trace.STORAGE, pieces=len(reads)):
+            return manifest, reads, read_pieces(path, manifest, reads)
     manifest, reads, loaded = everyone(f"cannot load {path}", read, group)
     for piece, index, destination in reads:
         destination.copy_(loaded[piece["file"], piece["start"]][index])
