@@ -6,8 +6,7 @@ crash at any moment must not corrupt what is on disk, and the checkpoint must lo
 ranks or in another layout. A rank's state maps names to:
 
     Sharded(shape, dtype, boxes)  its parts of a global tensor: each box (offsets, data) holds the elements
-                                  [offsets, offsets + data.shape) (ZeRO, FSDP and TP slices as boxes:
-                                  mini_dist/reshard.py)
+                                  [offsets, offsets + data.shape) (ZeRO, FSDP, TP slices: mini_dist/reshard.py)
     torch.Tensor                  replicated: the same on every rank, written once, by rank 0
     anything else                 a Python literal (numbers, strings, tuples, lists, dicts): in the manifest
 
@@ -141,8 +140,7 @@ def save(state: dict, path: str, group=None) -> None:
         try:
             if failed := [r for r in records if isinstance(r, str)]:
                 raise ValueError("; ".join(failed))
-            with trace.span(f"write {MANIFEST}, last", trace.STORAGE):
-                write_atomically(os.path.join(path, MANIFEST), [json.dumps(merge(records)).encode()])
+            write_atomically(os.path.join(path, MANIFEST), [json.dumps(merge(records)).encode()])
             descriptor = os.open(path, os.O_RDONLY)
             os.fsync(descriptor)  # the renames themselves reach the disk
             os.close(descriptor)
@@ -228,8 +226,7 @@ def load(state: dict, path: str, group=None) -> dict:
     def read():
         manifest = read_manifest(path)
         reads = plan(manifest, state)
-        with trace.span("read the pieces wanted", trace.STORAGE, pieces=len(reads)):
-            return manifest, reads, read_pieces(path, manifest, reads)
+        return manifest, reads, read_pieces(path, manifest, reads)
     manifest, reads, loaded = everyone(f"cannot load {path}", read, group)
     for piece, index, destination in reads:
         destination.copy_(loaded[piece["file"], piece["start"]][index])

@@ -11,7 +11,8 @@ them, picks a backend and a device, and joins the process group:
 Every group is created with a timeout (MINI_DIST_TIMEOUT seconds, default 120): if a rank dies or hangs,
 the others raise instead of waiting forever, and torchrun's report names the rank that failed first.
 `conclude()` ends a demo: every rank agrees on pass/fail (one all-reduce of MIN), rank 0 prints the
-summary line that `./run.sh` collects, and the exit code is non-zero if any check failed.
+summary line that `./run.sh` collects, and the exit code is non-zero if any check failed. `--trace PATH`
+on any demo records every rank from setup() to shutdown(), where rank 0 writes one trace (kit/trace.py).
 
 Every demo is a command: `demo_parser(__doc__)` gives it --help with the defaults, and `main()` runs it.
 A configuration it cannot run (a world size, degrees that do not multiply to it) raises `UsageError`
@@ -38,6 +39,8 @@ import torch.distributed as dist
 # collective's tensor aborts the process (SIGABRT; pytorch/pytorch#179291 describes the race)
 import torch.distributed.nn  # noqa: F401
 
+if not __package__:  # run as `torchrun mini_dist/kit/launch.py`: Python put mini_dist/kit/ on the path, not the repo
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from mini_dist.kit import trace as tracing
 
 VERBOSE = os.environ.get("VERBOSE") == "1"
@@ -173,7 +176,7 @@ def setup(backend: str | None = None, seed: int = 0) -> Env:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout(),
                                 device_id=device if backend == "nccl" else None)
         atexit.register(leave)  # an exit outside main(): a script's sys.exit, an uncaught error
-    tracing.start()  # if --trace asked for one: record from here to conclude()
+    tracing.start()  # if --trace asked for one: record from here to shutdown()
     torch.manual_seed(seed)
     return Env(rank, world, local_rank, backend, device)
 
@@ -217,7 +220,6 @@ def conclude(module: str, check_ok: bool, check: str, figure_ok: bool, figure: s
     ok = torch.tensor([int(check_ok), int(figure_ok)], device=device())
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     check_ok, figure_ok = bool(ok[0]), bool(ok[1])
-    tracing.finish()  # if --trace asked for one: every rank's records to rank 0, which writes the file
     print0(f"SUMMARY|{module}|{'PASS' if check_ok else 'FAIL'} {check}|"
            f"{'PASS' if figure_ok else 'FAIL'} {figure}")
     shutdown()
@@ -227,6 +229,7 @@ def conclude(module: str, check_ok: bool, check: str, figure_ok: bool, figure: s
 def shutdown() -> None:
     """Wait for everyone, then leave. gloo's monitored barrier names any rank that never arrives."""
     if dist.is_initialized():
+        tracing.finish()  # if --trace asked for one: every rank's records to rank 0, which writes the file
         if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
             dist.monitored_barrier(timeout=timeout())
         else:

@@ -13,7 +13,7 @@ always be drawn (DDP's Timeline, FSDP's ledger) keeps its records there, and the
 The kit's wire (kit/wire.py) records every message it posts, every wait for one, and every collective it
 counts; the concepts add their own hooks, a line each (DDP's buckets, FSDP's gathers, a pipeline's actions).
 
-`--trace run.json` on any demo (or MINI_DIST_TRACE=run.json) records from setup() to conclude(), where every
+`--trace run.json` on any demo (or MINI_DIST_TRACE=run.json) records from setup() to shutdown(), where every
 rank's records go to rank 0, which writes one file in Chrome's Trace Event Format (what torch.profiler's
 export_chrome_trace writes): a process per rank, a compute and a communication track per thread, and an
 arrow from each send to the wait that received it. The k-th message a rank sends to rank b on a group is
@@ -170,7 +170,7 @@ def done() -> None:
         record(COLLECTIVE, r.name, r.start, now(), COMM, **r.args)
 
 
-# ----- the run's trace file: asked for by main(), started by setup(), written at conclude()
+# ----- the run's trace file: asked for by main(), started by setup(), written at shutdown()
 
 CLOCK_MARK = "mini_dist clock"  # a torch.profiler event bracketed by our clock: how its clock maps to ours
 
@@ -194,7 +194,7 @@ def start() -> None:
 
 
 def finish() -> None:
-    """From launch.conclude(), on every rank: rank 0 writes the run's trace file."""
+    """From launch.shutdown(), on every rank: rank 0 writes the run's trace file."""
     records = _run["records"]
     if records is None:
         return
