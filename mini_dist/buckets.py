@@ -11,10 +11,11 @@ exists. DDP's answer is buckets: a few flat buffers of about bucket_cap bytes ea
 
 Last to first, because backward produces the gradients roughly last layer first: bucket 0 fills first.
 A bucket is one flat tensor with a view per gradient, so one all-reduce moves them all; a communication hook
-sees it through torch's GradBucket methods (index, buffer, gradients, parameters, is_last). A Timeline
-records one backward as the buckets saw it (ready, sent, done) and the share of all-reduce time hidden
-behind backward. The demo sends the buckets after backward, one after another (0% hidden):
-mini_dist/reducer.py sends each one the moment it is full, while backward goes on.
+sees it through torch's GradBucket methods (index, buffer, gradients, parameters, is_last). A Timeline is
+one backward as the buckets saw it (ready, sent, done), read from its trace records (kit/trace.py: the same
+records a trace file shows), and the share of all-reduce time hidden behind backward. The demo sends the
+buckets after backward, one after another (0% hidden): mini_dist/reducer.py sends each one the moment it is
+full, while backward goes on.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/buckets.py [--bucket-cap-mb 0 0.25 1]
 
@@ -22,7 +23,6 @@ Mirrors torch.distributed._compute_bucket_assignment_by_size and c10d's GradBuck
 Distributed, VLDB 2020, Sec. 3.2).
 """
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch, models
+from mini_dist.kit import launch, models, trace
 
 
 @dataclass(eq=False)
@@ -94,6 +94,18 @@ class Timeline:
     backward_end: float = 0.0                   # autograd finished computing gradients
     bytes: int = 0                              # bytes handed to the all-reduce (D when all sync)
 
+    @classmethod
+    def of(cls, records: list) -> "Timeline":
+        """From one backward's trace records: its span (none: the sync came after it), each bucket's ready mark,
+        each all-reduce's flight; in seconds, as time.perf_counter() tells them."""
+        backward = [r for r in records if r.what == trace.SPAN]
+        flights = sorted((r for r in records if r.what == trace.FLIGHT), key=lambda r: r.args.get("bucket", 0))
+        ready = sorted((r for r in records if r.what == trace.MARK), key=lambda r: r.args["bucket"])
+        start = backward[0].start if backward else flights[0].start  # no span: the sync came after backward
+        end = backward[0].end if backward else start
+        return cls(start / 1e9, [r.start / 1e9 for r in ready], [f.start / 1e9 for f in flights],
+                   [f.end / 1e9 for f in flights], end / 1e9, sum(f.args["bytes"] for f in flights))
+
     def overlap(self) -> float:
         """Fraction of the time an all-reduce was in flight that passed before backward ended (hidden)."""
         total = 0.0
@@ -134,19 +146,19 @@ class Timeline:
 
 def sync_after_backward(model, buckets: list[Bucket], x: torch.Tensor) -> Timeline:
     """Backward, then bucket after bucket: copy its gradients in, all-reduce it, write the mean back."""
-    start = time.perf_counter()
-    model(x).square().mean().backward()
-    timeline = Timeline(start, backward_end=time.perf_counter())
+    records = []
+    with trace.span("backward", into=records):
+        model(x).square().mean().backward()
     for bucket in buckets:
         for p, view in zip(bucket.params, bucket.views):
             view.copy_(p.grad)
-        timeline.start.append(time.perf_counter())
+        start = trace.now()
         dist.all_reduce(bucket.flat)
-        timeline.finish.append(time.perf_counter())
-        timeline.bytes += bucket.flat.nbytes
+        trace.record(trace.FLIGHT, f"all-reduce bucket {bucket.k}", start, trace.now(), into=records,
+                     bucket=bucket.k, bytes=bucket.flat.nbytes)
         for p, view in zip(bucket.params, bucket.views):
             torch.div(view, dist.get_world_size(), out=p.grad)
-    return timeline
+    return Timeline.of(records)
 
 
 def parser():

@@ -37,7 +37,7 @@ if not __package__:  # run as `torchrun mini_dist/checkpoint.py`: Python put min
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mini_dist.checkpoint_plan import Sharded, as_sharded, check_box, check_tiling, dtype_name, plan
-from mini_dist.kit import launch, wire
+from mini_dist.kit import launch, trace, wire
 from mini_dist.manifest import DTYPES, MANIFEST, VERSION, CheckpointError, literal_text, read_manifest
 
 
@@ -77,7 +77,8 @@ def write_shard(state: dict, path: str, rank: int) -> dict:
                                          "crc32": zlib.crc32(raw)})
                 chunks.append(raw)
                 start += raw.nbytes
-    write_atomically(os.path.join(path, file), chunks)
+    with trace.span(f"write {file}", trace.STORAGE, bytes=start):  # a slice of a trace (kit/trace.py)
+        write_atomically(os.path.join(path, file), chunks)
     record["file"] = (file, start)
     return record
 

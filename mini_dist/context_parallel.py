@@ -36,7 +36,7 @@ import torch.distributed as dist
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import comm
-from mini_dist.kit import launch, references
+from mini_dist.kit import launch, references, trace
 from mini_dist.kit.wire import isend_irecv, wait
 from mini_dist.sequence_layout import (CONTIGUOUS, LAYOUTS, SCORES, SEQ_DIM, ZIGZAG, bytes_sent, causal_tiles,
                                        check_inputs, rank_order, reorder_chunks, split_sequence)
@@ -210,23 +210,17 @@ def parser():
 
 
 def rotation(full, layout=ZIGZAG) -> list[list[int]]:
-    """The ring as it ran: [rank][step] = whose K/V block that rank attended to at that forward step."""
-    global attend
-    original = attend
-    C = dist.get_world_size()
-    parts = reorder_chunks(full[1], rank_order(C, layout)).chunk(C, SEQ_DIM)  # rank r's part of K
-    seen = []
-
-    def watched(q, k, v, diagonal):
-        """attend, noting whose part of the whole K it was given."""
-        seen.append(next(r for r, part in enumerate(parts) if torch.equal(k, part)))
-        return original(q, k, v, diagonal)
-    attend = watched
-    try:
+    """The ring as it ran, from its trace (kit/trace.py): [rank][step] = whose K/V block that rank attended to at
+    that forward step: its own, then each step the block that the message it received carried."""
+    with trace.recording() as records:
         ring_attention(*(split_sequence(t, layout=layout) for t in full[:3]))
-    finally:
-        attend = original
-    return comm.all_gather(torch.tensor([seen], device=full[1].device), 0).tolist()
+    got = trace.received(trace.everyone(records))  # [rank][k]: (sender, its send, which send) of message k
+    held = [[r] for r in range(len(got))]
+    for step in range(len(got) - 1):
+        for r, messages in got.items():
+            sender, _, sent_at = messages[step]
+            held[r].append(held[sender][sent_at])  # a rank sends at step s the block it holds at step s
+    return held
 
 
 def demo(args) -> int:
@@ -258,7 +252,7 @@ def demo(args) -> int:
     launch.print0(f"largest score tensor per rank, bytes: ring {peak['ring']:,} = b*H*(S/C)^2*8, naive "
                   f"{peak['naive']:,} = b*H*S^2/C*8; one process {b * H * S * S * 8:,}")
     held = rotation(full)
-    launch.print0("ring rotation, recorded: whose K/V block each rank attended to at each forward step (each "
+    launch.print0("ring rotation, from the trace: whose K/V block each rank attended to at each forward step (each "
                   "step passes it on to rank r+1)\n       " + "".join(f"{f'step {s}':>8}" for s in range(C)) +
                   "".join(f"\nrank {r:<2}" + "".join(f"{f'K/V {j}':>8}" for j in row) for r, row in enumerate(held)))
     work = {}  # causal ring: scores computed per rank and head, each layout

@@ -40,7 +40,7 @@ from torch import nn
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.buckets import Timeline, build_buckets
-from mini_dist.kit import launch, models, wire
+from mini_dist.kit import launch, models, trace, wire
 from mini_dist.reducer import Reducer
 from mini_dist.ring_pipelined import ring_all_reduce
 
@@ -65,8 +65,8 @@ class NaiveDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     def sync_gradients(self) -> None:
-        start = time.perf_counter()
-        self.timeline = Timeline(backward_end=start, start=[start])
+        start = trace.now()
+        sent = 0
         for p in self.module.parameters():
             if not p.requires_grad:
                 continue
@@ -74,8 +74,10 @@ class NaiveDataParallel(nn.Module):
                 p.grad = torch.zeros_like(p)
             self.all_reduce(p.grad, group=self.group)
             p.grad.div_(dist.get_world_size(self.group))
-            self.timeline.bytes += p.grad.nbytes
-        self.timeline.finish = [time.perf_counter()]
+            sent += p.grad.nbytes
+        records = []  # the trace's record of the sync (kit/trace.py), and the Timeline drawn from it
+        trace.record(trace.FLIGHT, "all-reduce, gradient by gradient", start, trace.now(), into=records, bytes=sent)
+        self.timeline = Timeline.of(records)
 
 
 class DistributedDataParallel(nn.Module):

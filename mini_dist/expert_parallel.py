@@ -35,7 +35,7 @@ import torch.distributed as dist
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import comm
-from mini_dist.kit import launch, measure, wire
+from mini_dist.kit import launch, measure, trace, wire
 from mini_dist.moe import MoE, route, skewed_tokens
 
 Plan = namedtuple("Plan", "token choice sent received")  # the rows' (token, choice), rows to / from each rank
@@ -111,7 +111,8 @@ class ExpertParallelMoE(MoE):
         rows, got, plan = dispatch(tokens, r, self.num_experts, self.group, self.transport)
         self.sent = plan.sent
         self.received = plan.received
-        out = self.run_experts(rows, got)                                     # [sum(received), h]
+        with trace.span("experts", rows=rows.shape[0]):                      # a slice of a trace (kit/trace.py)
+            out = self.run_experts(rows, got)                                 # [sum(received), h]
         return combine(out, plan, r.weight, len(tokens), self.group, self.transport).view_as(x)
 
     def run_experts(self, rows, got):

@@ -16,10 +16,9 @@ per step, fp32 Adam, K ranks, N parameters (N' = the units' padded sizes K*S, su
     memory   16N'/K (shards of params, grads, Adam state) + root + 1 unit gathered     vs DDP  16N
     traffic  all-gather + all-gather + reduce-scatter = 3 (K-1)/K 4N'                   vs DDP  2 (K-1)/K 4N
 
-(both measured beside DDP's: fsdp_ledger.py; `ledger` records each collective's ring bytes, (K-1) S B,
-and the bytes of full parameters alive). Naive (prefetch=False): a unit's all-gather starts when the unit
-is needed. Optimized (prefetch=True): the next unit's all-gather starts (async_op) before the current unit
-computes, forward and backward, so communication hides behind compute for the price of one more unit.
+(beside DDP's: fsdp_ledger.py; `ledger` records each collective's ring bytes, (K-1) S B, and the full
+parameters' bytes alive). Naive (prefetch=False): a unit's all-gather starts when it is needed; prefetch=True
+starts the next unit's (async_op) before this one computes, forward and backward: hidden, for one unit more.
 
 The module keeps its parameters under their own names: between computations each is this rank's slice, a
 1-D nn.Parameter of at most S elements (maybe 0) with its own .grad; while its unit computes, a view of the
@@ -48,7 +47,7 @@ from torch.utils._pytree import tree_leaves
 if not __package__:  # run as `torchrun mini_dist/fsdp.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import flat_param, fsdp_state
-from mini_dist.kit import debug, launch, models, timing, weakly, wire
+from mini_dist.kit import debug, launch, models, timing, trace, weakly, wire
 
 
 class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
@@ -170,7 +169,8 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
     def _collective(self, unit, what: str, run):
         """A rank that died or timed out surfaces here, often inside loss.backward(): say where we were."""
         try:
-            return run()
+            with trace.span(f"{what}, unit {unit.name}", trace.COMM):  # a slice of the trace (kit/trace.py)
+                return run()
         except RuntimeError as e:  # a rank that left quietly is named: torchrun would blame the first to fail
             cause = debug.lost_rank() or f"{e} (the first rank to fail says why in its own log)"
             raise RuntimeError(f"FSDP unit {unit.name!r}: {what} failed on rank {dist.get_rank()}: {cause}") from e

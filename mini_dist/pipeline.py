@@ -40,6 +40,7 @@ from torch import nn
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.kit import launch, references
+from mini_dist.kit.trace import span
 from mini_dist.kit.models import mlp
 from mini_dist.kit.wire import LEDGER, send_recv
 from mini_dist.pipeline_stages import pipeline_chunks
@@ -67,16 +68,18 @@ class Stage:
         self.loss = None    # on the last stage: the batch loss, added up microbatch by microbatch
 
     def forward(self, x, m: int):
-        y = self.layers(x)
-        if self.after is None:  # the mean of M microbatch means is the batch mean
-            y = self.loss_fn(y, self.targets[m]) / self.M
-            self.loss = y.detach() if self.loss is None else self.loss + y.detach()
+        with span(f"forward {m}", mb=m):  # a slice of the trace, when one records (kit/trace.py)
+            y = self.layers(x)
+            if self.after is None:  # the mean of M microbatch means is the batch mean
+                y = self.loss_fn(y, self.targets[m]) / self.M
+                self.loss = y.detach() if self.loss is None else self.loss + y.detach()
         return y
 
-    def backward(self, x, y, dy):
-        """From the gradient of the output y (None on the last stage, where y is the loss) to the input's; the
-        parameters' gradients add up in their .grad."""
-        torch.autograd.backward(y, dy)
+    def backward(self, x, y, dy, k: int):
+        """From the gradient of microbatch k's output y (None on the last stage, where y is the loss) to the
+        input's; the parameters' gradients add up in their .grad."""
+        with span(f"backward {k}", mb=k):
+            torch.autograd.backward(y, dy)
         return x.grad
 
     # The messages, named as in Megatron-LM. Each is one call of the wire's send_recv: its send and its
@@ -145,7 +148,7 @@ def gpipe_step(layers: nn.Module, inputs, targets, loss_fn, n_microbatches: int,
     for k in range(stage.M):  # all backwards, in the same order
         x, y = kept.pop(0)
         dy = stage.recv_backward(y, k)
-        dx = stage.backward(x, y, dy)
+        dx = stage.backward(x, y, dy, k)
         stage.send_backward(dx, k)
     return stage.loss
 
@@ -176,7 +179,7 @@ def one_f_one_b_step(layers: nn.Module, inputs, targets, loss_fn, n_microbatches
         # sends and receives one at a time, in the order posted. A batch goes through as one unit
         # (tests/test_pipeline.py replays both under NCCL's rule).
         dy = stage.send_forward_recv_backward(y, m, y_k, k)
-        dx = stage.backward(x_k, y_k, dy)
+        dx = stage.backward(x_k, y_k, dy, k)
         if m + 1 < M:
             x = stage.send_backward_recv_forward(dx, k, m + 1)
         else:
@@ -184,7 +187,7 @@ def one_f_one_b_step(layers: nn.Module, inputs, targets, loss_fn, n_microbatches
     for k in range(M - warmup, M):  # cool-down: drain the pipe
         x, y = kept.pop(0)
         dy = stage.recv_backward(y, k)
-        dx = stage.backward(x, y, dy)
+        dx = stage.backward(x, y, dy, k)
         stage.send_backward(dx, k)
     return stage.loss
 

@@ -31,6 +31,7 @@ from torch import nn
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.kit import launch, references
+from mini_dist.kit import trace as tracing
 from mini_dist.kit.models import mlp
 from mini_dist.kit.wire import LEDGER
 from mini_dist.pipeline import PIPELINE
@@ -56,7 +57,9 @@ def pipeline_step(stage, schedule: Schedule, inputs=None, targets=None, loss_fn=
     counted = LEDGER.bytes[PIPELINE]
     for action in run.actions:  # every action of the step runs here, one at a time
         start = time.perf_counter() - t0
-        getattr(run, action.op)(action.mb, action.chunk)
+        with tracing.span(f"{action.op} {action.mb}", tracing.COMPUTE if action.op in COMPUTE else tracing.COMM,
+                          mb=action.mb, chunk=action.chunk):  # a slice of the trace, when one records (kit/trace.py)
+            getattr(run, action.op)(action.mb, action.chunk)
         if trace and action.op not in COMPUTE:
             launch.trace(f"stage {run.stage(action.chunk)} {action.op} microbatch {action.mb}")
         run.mail.forget_sent()

@@ -18,7 +18,6 @@ PyTorch Distributed, VLDB 2020, Sec. 3.2).
 """
 import functools
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import torch.distributed as dist
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.buckets import Bucket, Timeline, build_buckets
-from mini_dist.kit import debug, launch, models, weakly, wire
+from mini_dist.kit import debug, launch, models, trace, weakly, wire
 from mini_dist.ring_pipelined import ring_all_reduce
 
 
@@ -55,7 +54,9 @@ class Reducer:
         self.used = set()  # parameters that got a gradient since the last sync (native's local_used_map)
         self.arrived = None  # parameters whose gradient arrived in the current synced backward
         self.next_bucket = 0  # the next bucket to launch: they go out in order
-        self.timeline = Timeline()  # of the last synced backward
+        self.records = []  # the synced backward under way as trace records (kit/trace.py), and its start
+        self.started = 0
+        self.timeline = Timeline()  # of the last synced backward, drawn from its records
         for p in params:
             p.register_post_accumulate_grad_hook(weakly(self._gradient_arrived))
 
@@ -73,7 +74,8 @@ class Reducer:
         if self.arrived is None:  # the first gradient of this backward
             self.arrived = set()
             self.next_bucket = 0
-            self.timeline = Timeline(time.perf_counter(), ready=[0.0] * len(self.buckets))
+            self.records = []
+            self.started = trace.now()
             for b in self.buckets:
                 b.pending = len(b.params)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
@@ -93,7 +95,7 @@ class Reducer:
             torch.mul(p.grad, 1.0 / self.world, out=bucket.views[i])
         bucket.pending -= 1
         if bucket.pending == 0:
-            self.timeline.ready[bucket.k] = time.perf_counter()
+            trace.mark(f"bucket {bucket.k} ready", into=self.records, bucket=bucket.k)
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
             self._launch(self.buckets[self.next_bucket])
             self.next_bucket += 1
@@ -101,14 +103,13 @@ class Reducer:
 
     def _launch(self, bucket: Bucket) -> None:
         """Start the bucket's all-reduce (or the communication hook) without waiting for it."""
-        finish = self.timeline.finish
+        records = self.records
+        start = trace.now()
 
         def finished(_) -> None:
-            """Once the all-reduce is done (or failed): when, for the timeline."""
-            finish[bucket.k] = time.perf_counter()
-        self.timeline.start.append(time.perf_counter())
-        finish.append(None)
-        self.timeline.bytes += bucket.flat.nbytes
+            """Once the all-reduce is done (or failed): its flight, for the timeline and the trace."""
+            trace.record(trace.FLIGHT, f"all-reduce bucket {bucket.k}", start, trace.now(), into=records,
+                         bucket=bucket.k, bytes=bucket.flat.nbytes)
         try:
             if self.hook:
                 bucket.future = self.hook(self.hook_state, bucket)
@@ -122,7 +123,7 @@ class Reducer:
 
     def _backward_done(self) -> None:
         """Autograd callback at the end of backward: flush, wait, write the averages into .grad."""
-        self.timeline.backward_end = time.perf_counter()
+        trace.record(trace.SPAN, "backward (DDP's reducer)", self.started, trace.now(), into=self.records)
         missing = [p for p in self.params if p not in self.arrived]
         self.arrived = None
         for p in missing:  # no gradient in this backward: its no_sync sum, or zeros, keeps ranks in step
@@ -136,6 +137,7 @@ class Reducer:
             reduced = reduced[0] if isinstance(reduced, list) else reduced  # a Work's future gives a list
             if reduced.data_ptr() != b.flat.data_ptr():  # a hook may return a new tensor
                 b.flat.copy_(reduced)
+        self.timeline = Timeline.of(self.records)
         used = [p in self.used for p in self.params]
         self.used = set()
         if self.find_unused_parameters:  # used on any rank: the ranks that did not use it added zeros

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch
+from mini_dist.kit import launch, trace
 from mini_dist.kit.debug import check_collective
 from mini_dist.kit.wire import LEDGER, send_recv
 
@@ -181,40 +181,41 @@ def bytes_sent(all_reduce, x: torch.Tensor, group=None) -> list[int]:
 # ----------------------------------------------------------------------------- demo
 
 def ring_step_picture(group=None) -> tuple[str, bool]:
-    """Who holds what after each step of one textbook ring all-reduce, recorded from the run: rank r starts with
-    2^r (int64, two elements a chunk), so a chunk's value names the ranks summed into it; each batch the ring
-    posts is intercepted to note the state and the chunk sent. -> (the table, whether each step left it right)."""
-    r = dist.get_rank(group)
+    """Who holds what after each step of one textbook ring all-reduce, read from its trace (kit/trace.py): each
+    message says which chunk it carried and meets its receive; rank r starts with 2^r. -> (the table, its check)"""
     n = dist.get_world_size(group)
-    x = torch.full((2 * n,), 1 << r, dtype=torch.int64, device=launch.device())
+    x = torch.full((2 * n,), 1 << dist.get_rank(group), dtype=torch.int64, device=launch.device())
     starts = [a for a, _ in chunk_bounds(x.numel(), n, x.element_size())]
-    states = []   # x before each step
-    sent = [-1]   # the chunk sent at each step (none before the first)
-    real = dist.batch_isend_irecv
-
-    def recording(ops):
-        states.append(x.clone())
-        sent.extend(starts.index((op.tensor.data_ptr() - x.data_ptr()) // 8) for op in ops if op.op is dist.isend)
-        return real(ops)
-    dist.batch_isend_irecv = recording
-    try:
+    with trace.recording() as records:
         ring_all_reduce(x, SUM, group)
-    finally:
-        dist.batch_isend_irecv = real
-    rows = [[bin(int(s[a])).count("1") for a in starts] + [c] for s, c in zip(states + [x], sent)]  # [2N-1, N+1]
-    everyone = torch.empty(n * len(rows) * (n + 1), dtype=torch.int64, device=launch.device())
-    dist.all_gather_single(everyone, torch.tensor(rows, device=launch.device()).view(-1), group=group)
-    seen = everyone.view(n, len(rows), n + 1).tolist()  # [rank, row, chunk counts + the chunk sent]
+    everyone = trace.everyone(records, group)
+    ranks = list(everyone)
+    got = trace.received(everyone)  # [rank][k]: (sender, its send, which send) of the k-th message it received
+    held = [[{q} for _ in range(n)] for q in range(n)]  # [rank][chunk]: the ranks summed into it
+    rows = [[[1] * n + [-1] for _ in range(n)]]  # [step][rank]: chunk counts + the chunk sent (-1: none)
+    sends = [[m for m in everyone[g] if m.what == trace.SEND] for g in ranks]
+    for k in range(2 * (n - 1)):
+        before = [[set(c) for c in chunks] for chunks in held]
+        for q, g in enumerate(ranks):
+            p, send, _ = got[g][k]
+            c = starts.index(send.args["offset"])  # where the message lay in the sender's tensor: its chunk
+            theirs = before[ranks.index(p)][c]
+            held[q][c] = before[q][c] | theirs if k < n - 1 else theirs  # reduce-scatter sums, all-gather copies
+        rows.append([[len(c) for c in held[q]] + [starts.index(sends[q][k].args["offset"])] for q in range(n)])
+    reduced = (x == (1 << n) - 1).all().item()  # the tensors agree: every chunk holds 2^0 + ... + 2^(N-1)
+    ok = reduced and all(rows[n - 1][q][q] == n and rows[-1][q][:n] == [n] * n for q in range(n))
+    return (f"one ring all-reduce on {n} ranks, read from its trace: how many ranks' data each chunk holds after "
+            f"each step ({n} = fully reduced); < = the chunk the rank sent left\n" + "\n".join(table(rows, n))), ok
+
+
+def table(rows: list, n: int) -> list[str]:
+    """Per step, each rank's count of ranks summed into each chunk, the chunk it sent marked <."""
     lines = [f"{'after step':<18}" + "".join(f" rank {q:<{3 * n - 4}}" for q in range(n))]
-    for k in range(len(rows)):
+    for k, row in enumerate(rows):
         step = "start" if k == 0 else f"reduce-scatter {k}" if k < n else f"all-gather {k - n + 1}"
-        cells = ["".join(f"{c:>2}{'<' if j == seen[q][k][n] else ' '}" for j, c in enumerate(seen[q][k][:n]))
-                 for q in range(n)]
-        lines.append(f"{step:<18}" + "".join(cell + "  " for cell in cells))
-    ok = all(seen[q][n - 1][q] == n and seen[q][-1][:n] == [n] * n for q in range(n))
-    return (f"one ring all-reduce on {n} ranks, step by step: how many ranks' data each chunk holds ({n} = fully "
-            f"reduced); < = the chunk the rank sent to its left at that step (recorded: rank r starts with 2^r, so "
-            f"a chunk's value names the ranks summed into it)\n" + "\n".join(lines)), ok
+        cells = ["".join(f"{c:>2}{'<' if j == row[q][n] else ' '}" for j, c in enumerate(row[q][:n])) for q in range(n)]
+        lines.append(f"{step:<18}" + "".join(c + "  " for c in cells))
+    return lines
 
 
 def parser():
@@ -229,8 +230,7 @@ def demo(args) -> int:
     n = env.world_size
     g = torch.Generator().manual_seed(env.rank)
     x = torch.randn(args.numel, generator=g).to(env.device)
-    # gloo reduce-scatters by all-reducing and keeping block r; blocks of an even count up to 1 MiB share
-    # its chunk layout, so the sums are bit-identical (elsewhere only their order differs: tests bound it)
+    # gloo reduce-scatters by all-reducing, and blocks of an even count up to 1 MiB share its chunks: same bits
     blocks = torch.randn(n * min(args.numel // n // 2 * 2, 1 << 18), generator=g).to(env.device)
     native = x.clone()
     rs = torch.empty(blocks.numel() // n, device=env.device)

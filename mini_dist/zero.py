@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/zero.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch, models, wire
+from mini_dist.kit import launch, models
+from mini_dist.kit.wire import collective
 from mini_dist.ring_pipelined import ring_all_gather, ring_reduce_scatter
 
 
@@ -141,15 +142,17 @@ def _my_shard(flat: torch.Tensor, group) -> torch.Tensor:  # (S,) a view of slic
 
 
 def _native_all_reduce(grad: torch.Tensor, group) -> None:
-    wire.call(dist.all_reduce, grad, group=group)
+    with collective("all_reduce", grad.nbytes, group):  # counted in the kit's ledger, a slice of a trace
+        dist.all_reduce(grad, group=group)
 
 
 def _native_reduce_scatter(grad: torch.Tensor, group) -> torch.Tensor:
-    if dist.get_backend(group) == "gloo":  # gloo's reduce_scatter is an all-reduce and a copy: same bits
-        wire.call(dist.all_reduce, grad, group=group)
-        return _my_shard(grad, group).clone()
-    shard = grad.new_empty(grad.numel() // dist.get_world_size(group))
-    wire.call(dist.reduce_scatter_single, shard, grad, group=group)
+    with collective("reduce_scatter", grad.nbytes, group):
+        if dist.get_backend(group) == "gloo":  # gloo's reduce_scatter is an all-reduce and a copy: same bits
+            dist.all_reduce(grad, group=group)
+            return _my_shard(grad, group).clone()
+        shard = grad.new_empty(grad.numel() // dist.get_world_size(group))
+        dist.reduce_scatter_single(shard, grad, group=group)
     return shard
 
 
@@ -157,10 +160,11 @@ def _native_all_gather(flat: torch.Tensor, group) -> None:
     # K broadcasts, each shard from its owner, as ZeroRedundancyOptimizer does: the bytes of
     # all_gather_single, which gloo runs slower (mini_dist/bench/data_parallel.py prints both)
     S = flat.numel() // dist.get_world_size(group)
-    works = [wire.call(dist.broadcast, flat[q * S:(q + 1) * S], group=group, group_src=q, async_op=True)
-             for q in range(dist.get_world_size(group))]
-    for work in works:
-        work.wait()
+    with collective("all_gather", flat.nbytes, group):
+        works = [dist.broadcast(flat[q * S:(q + 1) * S], group=group, group_src=q, async_op=True)
+                 for q in range(dist.get_world_size(group))]
+        for work in works:
+            work.wait()
 
 
 def _ring_reduce_scatter(grad: torch.Tensor, group) -> torch.Tensor:

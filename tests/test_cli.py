@@ -101,7 +101,7 @@ def command_line(module, argv, world=1, monkeypatch=None):
 def test_every_demo_has_help_that_names_its_flags(module, monkeypatch, capsys):
     assert command_line(module, ["--help"], monkeypatch=monkeypatch) == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage:") and "--help" in out
+    assert out.startswith("usage:") and "--help" in out and "--trace PATH" in out  # every demo writes a trace
     parser = importlib.import_module(f"mini_dist.{module}").parser()
     for action in parser._actions:
         for flag in action.option_strings:

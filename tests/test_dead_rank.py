@@ -29,13 +29,13 @@ from torch import nn
 
 import harness
 from harness import ROOT, command, device
-from mini_dist import checkpoint, context_parallel, expert_parallel, sequence_layout, tensor_parallel, zero
+from mini_dist import checkpoint, context_parallel, expert_parallel, sequence_layout, tensor_parallel, zero_optimizer
 from mini_dist import ring_allreduce, ring_pipelined
 from mini_dist.ddp import DistributedDataParallel
 from mini_dist.fsdp import FullyShardedDataParallel
 from mini_dist.kit import models, wire
 from mini_dist.kit.ranks import Pool, RankFailure
-from mini_dist.pipeline import pipeline_step
+from mini_dist.pipeline_executor import pipeline_step
 from mini_dist.pipeline_schedules import SCHEDULES
 
 TIMEOUT_S = 5  # the ranks' MINI_DIST_TIMEOUT in these runs
@@ -66,7 +66,7 @@ def ddp():
 
 def zero_step():
     model = models.mlp([8, 16, 4], torch.float32).to(device())
-    adam = zero.ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage=2, lr=0.01)
+    adam = zero_optimizer.ZeroOptimizer(model.named_parameters(), torch.optim.Adam, stage=2, lr=0.01)
     models.random_batch_steps(model, model, adam, 2)
 
 
@@ -111,10 +111,11 @@ def experts():
 
 
 def save_and_load(path):
-    r, W = dist.get_rank(), dist.get_world_size()
-    t = torch.arange(24.0).view(6, 4)
+    r = dist.get_rank()
+    W = dist.get_world_size()
+    t = torch.arange(24.0, device=device()).view(6, 4)
     checkpoint.save({"w": checkpoint.share(t, r, W), "step": 3}, path)
-    into = {"w": checkpoint.share(torch.zeros(6, 4), (r + 1) % W, W), "step": 0}
+    into = {"w": checkpoint.share(torch.zeros(6, 4, device=device()), (r + 1) % W, W), "step": 0}
     checkpoint.load(into, path)
 
 

@@ -12,7 +12,8 @@ Every group is created with a timeout (MINI_DIST_TIMEOUT seconds, default 120): 
 the others raise instead of waiting forever, naming the rank that failed first, however it ended (kit/fates.py:
 each rank says in the group's store how it ended, and keeps a socket its kernel answers while it lives).
 `conclude()` ends a demo: every rank agrees on pass/fail (one all-reduce of MIN), rank 0 prints the
-summary line that `./run.sh` collects, and the exit code is non-zero if any check failed.
+summary line that `./run.sh` collects, and the exit code is non-zero if any check failed. `--trace PATH`
+on any demo records every rank from setup() to shutdown(), where rank 0 writes one trace (kit/trace.py).
 
 Every demo is a command: `demo_parser(__doc__)` gives it --help with the defaults, and `main()` runs it.
 A configuration it cannot run (a world size, degrees that do not multiply to it) raises `UsageError`
@@ -42,6 +43,7 @@ import torch.distributed.nn  # noqa: F401
 if not __package__:  # run as `torchrun mini_dist/kit/launch.py`: Python put mini_dist/kit/ on the path, not the repo
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from mini_dist.kit import fates
+from mini_dist.kit import trace as tracing
 
 VERBOSE = os.environ.get("VERBOSE") == "1"
 
@@ -82,6 +84,10 @@ def demo_parser(doc: str) -> argparse.ArgumentParser:
     """A demo's command line: its module docstring's first paragraph as the description, defaults shown.
     Every rank parses the same arguments; only rank 0 prints help or errors, so they appear once."""
     parser = argparse.ArgumentParser(description=doc.strip().split("\n\n")[0], formatter_class=_HelpFormatter)
+    parser.add_argument("--trace", metavar="PATH", default=os.environ.get("MINI_DIST_TRACE"),
+                        help="write every rank's run to PATH, one trace for Perfetto (ui.perfetto.dev)")
+    parser.add_argument("--trace-torch", action="store_true", default=os.environ.get("MINI_DIST_TRACE_TORCH") == "1",
+                        help="with --trace: torch.profiler's events too (on by default under NCCL)")
     if env_rank() != 0:
         parser._print_message = lambda message, file=None: None
     return parser
@@ -91,7 +97,9 @@ def main(parser: argparse.ArgumentParser, demo, argv=None) -> int:
     """Parse, run demo(args), return its exit code. A UsageError becomes one line from rank 0 and exit
     status 2 on every rank (argparse's own convention), with no traceback."""
     try:
-        code = demo(parser.parse_args(argv))
+        args = parser.parse_args(argv)
+        tracing.ask(getattr(args, "trace", None), getattr(args, "trace_torch", False))
+        code = demo(args)
         # groups the demo left in reference cycles (a DeviceMesh's) are freed now, their gloo threads joined,
         # and not while Python exits (see `import torch.distributed.nn` above)
         gc.collect()
@@ -171,6 +179,7 @@ def setup(backend: str | None = None, seed: int = 0) -> Env:
         if world > 1:
             fates.listen()  # the survivors of a rank that ends without a word still learn that it ended
             fates.hook_uncaught_errors()  # an uncaught error is recorded as this rank's own, or its cause's
+    tracing.start()  # if --trace asked for one: record from here to shutdown()
     torch.manual_seed(seed)
     return Env(rank, world, local_rank, backend, device)
 
@@ -223,6 +232,7 @@ def conclude(module: str, check_ok: bool, check: str, figure_ok: bool, figure: s
 def shutdown() -> None:
     """Wait for everyone, then leave. gloo's monitored barrier names any rank that never arrives."""
     if dist.is_initialized():
+        tracing.finish()  # if --trace asked for one: every rank's records to rank 0, which writes the file
         if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
             dist.monitored_barrier(timeout=timeout())
         else:

@@ -10,7 +10,8 @@
     random_batch_steps  steps on a fresh random batch per rank and step (ZeRO's loop)
     teacher_steps       SGD toward a teacher's linear map, the test loss after each step (compression's loop)
 
-Every model is seeded, so every rank builds the same one; the data is each rank's own.
+Every model is seeded, so every rank builds the same one; the data is each rank's own. The training steps
+record forward, backward and the optimizer's step as spans of a trace (kit/trace.py), when one records.
 """
 import contextlib
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mini_dist.kit import launch
+from mini_dist.kit.trace import span
 from mini_dist.kit.wire import LEDGER
 
 
@@ -78,18 +80,25 @@ def accumulation_step(model, optimizer, micro_batches) -> None:
     for k, (x, y) in enumerate(micro_batches):
         last = k == len(micro_batches) - 1
         with contextlib.nullcontext() if naive or last or not hasattr(model, "no_sync") else model.no_sync():
-            (nn.functional.mse_loss(model(x), y) / len(micro_batches)).backward()
+            with span("forward", micro_batch=k):
+                loss = nn.functional.mse_loss(model(x), y) / len(micro_batches)
+            with span("backward", micro_batch=k):
+                loss.backward()
     if naive:
         model.sync_gradients()
-    optimizer.step()
+    with span("optimizer step"):
+        optimizer.step()
     optimizer.zero_grad()
 
 
 def regression_step(model, optimizer, x, y) -> float:
     """One step of mean((model(x) - y)^2); returns the loss."""
-    loss = ((model(x) - y) ** 2).mean()
-    loss.backward()
-    optimizer.step()
+    with span("forward"):
+        loss = ((model(x) - y) ** 2).mean()
+    with span("backward"):
+        loss.backward()
+    with span("optimizer step"):
+        optimizer.step()
     optimizer.zero_grad()
     return loss.item()
 
@@ -101,8 +110,12 @@ def random_batch_steps(model, forward, optimizer, steps: int) -> None:
         g = torch.Generator().manual_seed(1000 * t + dist.get_rank())
         x = torch.randn(8, model[0].in_features, generator=g).to(launch.device(), model[0].weight.dtype)
         optimizer.zero_grad()
-        (forward(x) ** 2).mean().backward()
-        optimizer.step()
+        with span("forward", step=t):
+            loss = (forward(x) ** 2).mean()
+        with span("backward", step=t):
+            loss.backward()
+        with span("optimizer step", step=t):
+            optimizer.step()
 
 
 def teacher_steps(model, forward, steps: int, lr: float) -> list[float]:

@@ -29,10 +29,9 @@ but never counted, watched or printed, so every figure and VERBOSE line reads th
 `LEDGER.watchers` are called with every counted message as it is about to be posted, and every collective:
 watcher(event, peer, group, nbytes, kind, label), event "send", "recv" or the collective's kind (its torch
 name, with kind None, for a `call`), peer a global rank (None for a collective). topology.Links sorts the bytes
-by link there (and delays some); tests/test_dead_rank.py ends a rank at the k-th.
-
-Cost when nothing is asked: a few Counter updates a message; a label is formatted only under VERBOSE=1 (one
-line per message, prefixed by the rank) or when a peer is lost.
+by link there; tests/test_dead_rank.py ends a rank at the k-th; a trace (kit/trace.py, --trace on any demo)
+records each as a slice, with an arrow from each send to its receive. Cost when nothing is asked: a few Counter
+updates a message; a label is formatted only under VERBOSE=1 (a line per message) or when a peer is lost.
 
 Mirrors torch.distributed's isend / irecv / batch_isend_irecv (P2POp) and its Work.wait().
 """
@@ -41,7 +40,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from mini_dist.kit import debug, fates, launch
+from mini_dist.kit import debug, fates, launch, trace
 
 RING = "ring"
 DEBUG = "debug"
@@ -96,6 +95,7 @@ class Ledger:
 
 
 LEDGER = Ledger()
+trace.WATCHERS = LEDGER.watchers  # a trace (kit/trace.py) watches the wire while it records
 
 
 class naming:
@@ -116,12 +116,17 @@ class naming:
 
 
 class collective(naming):
-    """with collective("all_reduce", x.nbytes, group): dist.all_reduce(x, group=group)  -> counted, watched, and
-    a failure named."""
+    """with collective("all_reduce", x.nbytes, group): dist.all_reduce(x, group=group)  -> counted, watched, a
+    slice of a trace, and a failure named."""
 
     def __init__(self, kind: str, nbytes: int, group=None, label=None):
         LEDGER.record(kind, nbytes, group, label)
         super().__init__(kind)
+
+    def __exit__(self, kind, error, traceback):
+        if trace.ON:
+            trace.done()
+        return super().__exit__(kind, error, traceback)
 
 
 def call(collective_fn, *args, group=None, **kwargs):
@@ -130,8 +135,12 @@ def call(collective_fn, *args, group=None, **kwargs):
     what = collective_fn.__name__
     for watcher in LEDGER.watchers:
         watcher(what, None, group, 0, None, None)
-    with naming(what):
-        work = collective_fn(*args, group=group, **kwargs)
+    try:
+        with naming(what):
+            work = collective_fn(*args, group=group, **kwargs)
+    finally:
+        if trace.ON:
+            trace.done()  # a slice until it returns: an async_op's until it is posted
     return Named(work, what) if kwargs.get("async_op") else work
 
 
@@ -177,6 +186,8 @@ def _post(doing, tensor, peer, group, label, kind):
             work = dist.irecv(tensor, group=group, group_src=peer)
     except RuntimeError as e:
         raise lost(e, peer, group, doing, label) from e
+    if trace.ON:
+        trace.posted([work], [tensor])
     return work, doing, peer, group, label
 
 
@@ -185,7 +196,10 @@ def wait(posted) -> None:
     if posted is not None:
         work, doing, peer, group, label = posted
         try:
-            work.wait()
+            if trace.ON:
+                trace.wait(work)
+            else:
+                work.wait()
         except RuntimeError as e:  # gloo: "Connection reset by peer" or a timeout; NCCL: its own report
             raise lost(e, peer, group, doing, label) from e
 
@@ -206,6 +220,8 @@ def batch(ops, group, label, kind=RING) -> list:
         works = dist.batch_isend_irecv(p2p)
     except RuntimeError as e:
         raise lost(e, tuple(peer for _, _, peer in ops), group, "posting a batch", label) from e
+    if trace.ON:
+        trace.posted(works, [tensor for _, tensor, _ in ops])
     if len(works) == len(ops):
         return [(work, doing, peer, group, label) for work, (doing, _, peer) in zip(works, ops)]
     return [(work, "in a batch", tuple(peer for _, _, peer in ops), group, label) for work in works]
