@@ -218,6 +218,11 @@ def test_the_report_is_never_cut_and_its_smallest_case_has_no_comments(monkeypat
     assert long in text and "mistake in f: m: it" in text and "assert" not in text
     assert f"smallest case: op='sum', world=2, shape={tuple(range(40))}; Draw 1: torch.float16" in text
     assert "#" not in text and all(len(x) <= grading.WIDTH for x in lines)
+    lines, _ = grading.failure_lines("AssertionError", "wrong", [  # a value hypothesis wrote over several lines
+        "Failing test case: test_x(\n    # The test always failed when commented parts were varied together.\n"
+        "    T_world=(\n        2,\n        2,  # or any other generated value\n    ),\n    one=(\n        3,\n"
+        "    ),\n    b=1,  # or any other generated value\n)"])
+    assert "smallest case: T_world=(2, 2), one=(3,), b=1" in " ".join(" ".join(lines).split())
 
 
 @pytest.mark.single_process
