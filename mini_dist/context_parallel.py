@@ -100,7 +100,8 @@ def attend(q, k, v, diagonal):
 def merge(out, lse, block_out, block_lse):
     """Online softmax: attention over keys A (out, lse) and over keys B (block_out, block_lse) -> attention
     over A and B, and its log-sum-exp. out [b, H, Lq, d], lse [b, H, Lq, 1]; lse = -inf: no keys yet."""
-    # exercise: m = max of the two lse; new = m + log(e^(lse-m) + e^(block_lse-m)); weigh each out by e^(its lse - new)
+    # exercise: return (attention over A and B [b, H, Lq, d], its log-sum-exp [b, H, Lq, 1]) for any lse: -inf (no
+    #   keys yet), or as large or small as scores make it (e^lse overflows fp64 past 709). torch.exp, log, maximum
     m = torch.maximum(lse, block_lse)                          # the running max: every exponent below is <= 0
     new = m + ((lse - m).exp() + (block_lse - m).exp()).log()
     return (lse - new).exp() * out + (block_lse - new).exp() * block_out, new
