@@ -333,6 +333,19 @@ def test_a_fresh_exercise_fails_every_property_with_its_contract_and_the_referen
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("module, function", [("tensor_parallel", "column_parallel_linear"),
+                                              ("context_parallel", "merge"),
+                                              ("pipeline_schedules", "one_f_one_b_stage")])
+def test_a_blank_left_in_place_is_reported_in_its_own_words(module, function, tmp_path):
+    """A blank still there says what to write: not where it was raised nor what it was called with, the lines
+    that locate an error in the learner's own code."""
+    code, out = check(module, tmp_path, exercise.blank(exercise.reference(module), module))
+    said = " ".join(out.split())
+    assert code == 1 and f"raised NotImplementedError: {module}: write {function}: " in said, out
+    assert "called with" not in said and f" at {module}.py:" not in said, out
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("module", sorted(PLANTED))
 def test_a_planted_classic_mistake_fails_check(module, tmp_path):
     right, wrong, word = PLANTED[module]

@@ -86,10 +86,11 @@ def learners(column, args, dy_mine, group):
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, raised is None, group=group)
     if raised is not None:
-        return f"{fn.__name__} raised {type(raised).__name__}: {raised}{where_raised(raised)}" + (
-            "" if isinstance(raised, NotImplementedError) else f" (called with x {shape(args[0])}, weight "
-            f"{shape(args[1])}, bias {shape(args[2])}: {'x whole, my rows' if column else 'my x features, my columns'}"
-            f" of nn.Linear's [out, in] weight)")
+        if isinstance(raised, NotImplementedError):  # a blank: its own words say what to write
+            return f"{fn.__name__} raised NotImplementedError: {raised}"
+        return (f"{fn.__name__} raised {type(raised).__name__}: {raised}{where_raised(raised)} (called with x "
+                f"{shape(args[0])}, weight {shape(args[1])}, bias {shape(args[2])}: "
+                f"{'x whole, my rows' if column else 'my x features, my columns'} of nn.Linear's [out, in] weight)")
     if not all(ok is True for ok in everyone):
         return f"{WAITED} {[q for q, ok in enumerate(everyone) if ok is not True]} of the group raised"
     try:
