@@ -7,8 +7,8 @@ takes them), and keys and values move instead of tokens:
     naive   all-gather K and V, then softmax(q K^T / sqrt(d)) V for my S/C queries: S/C x S scores
     ring    (Liu et al. 2023; Megatron-LM's context parallelism, torch's context_parallel) K/V blocks go round
             the ring, one hop a step, the next block in flight while this one is computed; each block gives a
-            partial attention (o_j, lse_j) over its keys, merged online by log-sum-exp:
-            m = max(lse, lse_j), lse' = m + log(e^(lse-m) + e^(lse_j-m)), o' = e^(lse-lse') o + e^(lse_j-lse') o_j.
+            partial attention (o_j, lse_j) over its keys, merged online by the log-sum-exps, never the S x S
+            scores (the online softmax, Milakov & Gimelshein 2018; FlashAttention's inner loop).
             Backward walks the ring again; dK/dV follow their block one step behind and land home.
 
 Causal masking: split contiguously, rank r needs K/V blocks 0..r and the last rank works C times as hard as
