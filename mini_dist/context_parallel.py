@@ -7,8 +7,8 @@ takes them), and keys and values move instead of tokens:
     naive   all-gather K and V, then softmax(q K^T / sqrt(d)) V for my S/C queries: S/C x S scores
     ring    (Liu et al. 2023; Megatron-LM's context parallelism, torch's context_parallel) K/V blocks go round
             the ring, one hop a step, the next block in flight while this one is computed; each block gives a
-            partial attention (o_j, lse_j) over its keys, merged online by log-sum-exp:
-            m = max(lse, lse_j), lse' = m + log(e^(lse-m) + e^(lse_j-m)), o' = e^(lse-lse') o + e^(lse_j-lse') o_j.
+            partial attention (o_j, lse_j) over its keys, merged online by the log-sum-exps, never the S x S
+            scores (the online softmax, Milakov & Gimelshein 2018; FlashAttention's inner loop).
             Backward walks the ring again; dK/dV follow their block one step behind and land home.
 
 Causal masking: split contiguously, rank r needs K/V blocks 0..r and the last rank works C times as hard as
@@ -100,7 +100,8 @@ def attend(q, k, v, diagonal):
 def merge(out, lse, block_out, block_lse):
     """Online softmax: attention over keys A (out, lse) and over keys B (block_out, block_lse) -> attention
     over A and B, and its log-sum-exp. out [b, H, Lq, d], lse [b, H, Lq, 1]; lse = -inf: no keys yet."""
-    # exercise: m = max of the two lse; new = m + log(e^(lse-m) + e^(block_lse-m)); weigh each out by e^(its lse - new)
+    # exercise: return (attention over A and B [b, H, Lq, d], its log-sum-exp [b, H, Lq, 1]) for any lse: -inf (no
+    #   keys yet), or as large or small as scores make it (e^lse overflows fp64 past 709). torch.exp, log, maximum
     m = torch.maximum(lse, block_lse)                          # the running max: every exponent below is <= 0
     new = m + ((lse - m).exp() + (block_lse - m).exp()).log()
     return (lse - new).exp() * out + (block_lse - new).exp() * block_out, new

@@ -49,10 +49,14 @@ def gpipe_stage(s: int, P: int, M: int) -> list[tuple]:
 
 
 def one_f_one_b_stage(s: int, P: int, M: int) -> list[tuple]:
-    """1F1B on stage s of P, M microbatches. Warm-up: P-s-1 forwards, as many as the stages after it
-    need to start (the last stage none); steady state: one forward, one backward, while forwards are left;
-    cool-down: the backwards left. A backward frees its microbatch, so stage s keeps at most P-s of them."""
-    # exercise: warm-up: min(P-s-1, M) forwards; steady state: F(warm-up + k), B(k); cool-down: the B's left
+    """1F1B on stage s of P, M microbatches. Warm-up: forwards only, filling the pipe for the stages after
+    it; steady state: one forward, one backward, while forwards are left; cool-down: the backwards left.
+    A backward frees its microbatch, so stage s keeps at most P-s of them (GPipe: all M)."""
+    # exercise: return stage s's computations in the order 1F1B runs them, [(op, microbatch, 0)], op "forward" or
+    #   "backward": each microbatch's forward once and its backward once, after it, each op in microbatch order;
+    #   at most min(P-s, M) microbatches held at once (a forward holds one until its backward), as many as that
+    #   before the first backward (the stages after s need them to start), then a forward and a backward in turn
+    #   while forwards are left. Any P, M >= 1 (M < P too). It is the order torch's Schedule1F1B runs.
     order = []
     warmup = min(P - s - 1, M)
     for m in range(warmup):  # warm-up: fill the pipe
@@ -92,7 +96,7 @@ def one_f_one_b_schedule(n_stages: int, n_microbatches: int, n_chunks: int = 1) 
 def warmup_steady_cooldown(forwards: list, backwards: list, warmup: int, w_lag: int | None = None) -> list[tuple]:
     """1F1B's loops over any lists of (microbatch, chunk): `warmup` forwards, then one forward and one
     backward in turn, then the backwards left. With w_lag (zero bubble) a backward is B alone, and the W of
-    the k-th backward follows the (k + w_lag)-th B. (With v = 1 and warmup P-1-s, it is one_f_one_b_stage.)"""
+    the k-th backward follows the (k + w_lag)-th B. (With v = 1 and 1F1B's warm-up: one_f_one_b_stage.)"""
     order = [("forward", *f) for f in forwards[:warmup]]
     for k, b in enumerate(backwards):
         if warmup + k < len(forwards):

@@ -54,7 +54,7 @@ from mini_dist.tp_layout import Layout, gather_to_dense, shard_from_dense
 def column_parallel_linear(x, weight, bias, group=None):
     """Y_i = X A_i + b_i with my block of columns (weight: my [4h/T, h] rows of nn.Linear's [out, in]).
     Every rank needs all of X, and backward leaves each rank a partial dX: f sums them."""
-    # exercise: f on x (identity forward, all-reduce of dX backward), then the local matmul with my columns
+    # exercise: return my out/T features of x W^T + b; x.grad all of dL/dx, alike on every rank. Use f/g, F.linear
     x = f(x, group)                      # (b, s, h), the same on every rank
     return F.linear(x, weight, bias)     # (b, s, h) @ (h, 4h/T) + (4h/T) -> (b, s, 4h/T)
     # end exercise
@@ -63,7 +63,8 @@ def column_parallel_linear(x, weight, bias, group=None):
 def row_parallel_linear(x, weight, bias, group=None):
     """Y = sum_i X_i A_i + b with my block of rows (weight: my [h, 4h/T] columns of nn.Linear's [out, in]):
     each rank's product is a partial sum, g all-reduces them; the bias is whole on every rank."""
-    # exercise: the local matmul with my rows, g to sum the partial products, then the bias (once, not T times)
+    # exercise: return all of x W^T + b, [.., out], the same bits on every rank, from my in/T features of x and my
+    #   columns of W; bias.grad all of dL/db (the bias counted once). Use f/g (comm's), F.linear
     partial = F.linear(x, weight)        # (b, s, 4h/T) @ (4h/T, h) -> (b, s, h): my X_i A_i
     y = g(partial, group)                # (b, s, h): sum_i X_i A_i, on every rank
     return y if bias is None else y + bias

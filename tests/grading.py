@@ -64,9 +64,11 @@ def smallest_case(notes: list[str]) -> str | None:
     case = next((n for n in notes if n.startswith(("Falsifying example", "Failing test case"))), None)
     if case is None:
         return None
-    args = [re.sub(r"\s+#.*$", "", line).strip().rstrip(",") for line in case.splitlines()[1:-1]]
+    args = " ".join(filter(None, (re.sub(r"\s+#.*$", "", line).strip() for line in case.splitlines()[1:-1])))
+    args = re.sub(r"([(\[{]) ", r"\1", args.rstrip(","))  # a value hypothesis wrote on several lines, on one
+    args = re.sub(r", ([)\]}])", r"\1", re.sub(r"\(([^(),]*), \)", r"(\1,)", args))
     draws = [re.sub(r"\s+#.*$", "", n).strip() for n in notes if re.match(r"Draw \d+", n)]
-    return ", ".join(a for a in args if a) + ("; " + "; ".join(draws) if draws else "")
+    return args + ("; " + "; ".join(draws) if draws else "")
 
 
 def rank_failure(text: str) -> tuple[str, list[str], int | None]:

@@ -218,6 +218,11 @@ def test_the_report_is_never_cut_and_its_smallest_case_has_no_comments(monkeypat
     assert long in text and "mistake in f: m: it" in text and "assert" not in text
     assert f"smallest case: op='sum', world=2, shape={tuple(range(40))}; Draw 1: torch.float16" in text
     assert "#" not in text and all(len(x) <= grading.WIDTH for x in lines)
+    lines, _ = grading.failure_lines("AssertionError", "wrong", [  # a value hypothesis wrote over several lines
+        "Failing test case: test_x(\n    # The test always failed when commented parts were varied together.\n"
+        "    T_world=(\n        2,\n        2,  # or any other generated value\n    ),\n    one=(\n        3,\n"
+        "    ),\n    b=1,  # or any other generated value\n)"])
+    assert "smallest case: T_world=(2, 2), one=(3,), b=1" in " ".join(" ".join(lines).split())
 
 
 @pytest.mark.single_process
@@ -325,6 +330,19 @@ def test_a_fresh_exercise_fails_every_property_with_its_contract_and_the_referen
     code, out = check("ring_allreduce", tmp_path / "reference", source)
     assert code == 0 and "PASS" in out and "FAIL" not in out and "note" not in out, out
     assert all(f"[op={op}]" in out for op in ("sum", "avg", "max", "min", "product")), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module, function", [("tensor_parallel", "column_parallel_linear"),
+                                              ("context_parallel", "merge"),
+                                              ("pipeline_schedules", "one_f_one_b_stage")])
+def test_a_blank_left_in_place_is_reported_in_its_own_words(module, function, tmp_path):
+    """A blank still there says what to write: not where it was raised nor what it was called with, the lines
+    that locate an error in the learner's own code."""
+    code, out = check(module, tmp_path, exercise.blank(exercise.reference(module), module))
+    said = " ".join(out.split())
+    assert code == 1 and f"raised NotImplementedError: {module}: write {function}: " in said, out
+    assert "called with" not in said and f" at {module}.py:" not in said, out
 
 
 @pytest.mark.slow

@@ -8,16 +8,13 @@ import torch.distributed as dist
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import pp_exercise
 from harness import run, subgroup
 from mini_dist import pipeline_schedules  # looked up at call time: an exercise swaps in a learner's module
 from mini_dist.pipeline_actions import COMPUTE, Action, Schedule, live_microbatches
 from mini_dist.pipeline_bubble import simulate
 from mini_dist.pipeline_schedules import SCHEDULES, torch_ran
-
-
-def written(order) -> str:
-    """F0 F1 B0 ... for a list of (op, microbatch, chunk)."""
-    return " ".join(f"{'FBBW'[COMPUTE.index(op)]}{m}" for op, m, _ in order)
+from pp_exercise import MISTAKES, problem, written  # noqa: F401  (MISTAKES: the exercise's, beside its judge)
 
 
 def first_difference(ours: list, theirs: list) -> str:
@@ -28,21 +25,23 @@ def first_difference(ours: list, theirs: list) -> str:
     return f"computation {i} is {here} where torch's runs {there} (ours: {written(ours)}; torch: {written(theirs)})"
 
 
-@pytest.mark.exercise
+# ----- the textbook 1F1B, the learner's exercise (./run.sh check pipeline_schedules): the contract stage by stage,
+# in one process (quick), then torch's own order on ranks; the classic mistakes named (tests/pp_exercise.py)
+
+@pytest.mark.exercise(judges=("one_f_one_b_stage",))
 @pytest.mark.single_process
 @example(4, 8)
 @given(st.integers(1, 8), st.integers(1, 16))
 def test_textbook_1f1b_warms_up_with_P_minus_s_minus_1_forwards_and_keeps_at_most_P_minus_s(P, M):
+    """one_f_one_b_stage: each F and B once, in order; min(P-s, M) forwards before the first B, then F and B in turn
+
+    Every stage s of P, any M (M < P too): each microbatch's forward once and its backward once after it, each op
+    in microbatch order, min(P-s, M) forwards before the first backward (the most activations 1F1B holds), then a
+    forward and a backward in turn while forwards are left."""
     for s in range(P):
-        order = pipeline_schedules.one_f_one_b_stage(s, P, M)
-        assert sorted(order) == sorted([(op, m, 0) for m in range(M) for op in ("forward", "backward")]), \
-            f"stage {s} of P={P}, M={M} does not run each microbatch's forward and backward once: {written(order)}"
-        before = next((i for i, (op, _, _) in enumerate(order) if op == "backward"), len(order))
-        assert before == min(P - s, M), (
-            f"stage {s} of P={P}, M={M} runs {before} forwards before its first backward, 1F1B runs min(P-s, M) = "
-            f"{min(P - s, M)} (a warm-up of P-s-1, then the steady state's first forward): {written(order)}")
-        assert all(order[i][0] != order[i + 1][0] for i in range(before - 1, 2 * M - before)), \
-            f"stage {s} of P={P}, M={M}: after the warm-up, forwards and backwards must alternate: {written(order)}"
+        wrong = problem(s, P, M, pp_exercise.stage(s, P, M))
+        found = pp_exercise.one_f_one_b_mistake(P, M) if wrong else None
+        assert wrong is None, wrong + (f"\n{found}" if found else "")
 
 
 @pytest.mark.single_process
@@ -139,17 +138,20 @@ def orders_of_torch(P, M, v, name):
     return torch_ran(name, M, v, group) if dist.get_rank() < P else None
 
 
-@pytest.mark.exercise
+@pytest.mark.exercise(judges=("one_f_one_b_stage",))
 @settings(max_examples=10)
 @example(4, 4)  # P = 4, M = 8
 @given(st.integers(2, 4), st.integers(0, 8))
 def test_textbook_1f1b_is_torch_schedule_1f1b_on_every_stage(P, extra):
+    """one_f_one_b_stage: every stage's order is the one a step of torch's Schedule1F1B runs (M >= P: torch's limit)"""
     M = P + extra  # torch's Schedule1F1B refuses M < P
     # Importing torch.distributed.pipelining takes seconds per rank: only the 4-rank pool pays it
     theirs = run(4, orders_of_torch, P, M, 1, "1f1b")
     for s in range(P):
-        ours = pipeline_schedules.one_f_one_b_stage(s, P, M)
-        assert ours == theirs[s], f"1F1B stage {s} of P={P}, M={M}: {first_difference(ours, theirs[s])}"
+        ours = pp_exercise.stage(s, P, M)
+        found = pp_exercise.one_f_one_b_mistake(P, M) if ours != theirs[s] else None
+        assert ours == theirs[s], (ours if isinstance(ours, str) else f"1F1B stage {s} of P={P}, M={M}: "
+                                   f"{first_difference(ours, theirs[s])}") + (f"\n{found}" if found else "")
 
 
 @settings(max_examples=12)
