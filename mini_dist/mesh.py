@@ -1,8 +1,12 @@
 """The process-group mesh: which rank talks to whom along each axis of DP x PP x CP x TP, and EP.
 
-world = dp * pp * cp * tp ranks sit in a grid with tensor parallelism innermost:
+world = dp * pp * cp * tp ranks sit in a grid with tensor parallelism innermost: counting the ranks,
+the tp coordinate turns fastest, then cp, then pp, and dp slowest. For dp = 2, pp = 1, cp = 2, tp = 2:
 
-    rank = ((dp_index * pp + pp_index) * cp + cp_index) * tp + tp_index
+    rank   0  1  2  3  4  5  6  7
+    dp     0  0  0  0  1  1  1  1
+    cp     0  0  1  1  0  0  1  1
+    tp     0  1  0  1  0  1  0  1
 
 so the tp ranks of one layer are adjacent (one node, the fastest links: tensor parallelism all-reduces
 activations in every layer, twice forward and twice backward); the cp ranks that share one sequence come
