@@ -102,8 +102,10 @@ class Plan:
 def bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
     """(weight, gradient, optimizer state) bytes per parameter; the fp32 master copy counts as state, and
     the optimizer's state tensors are fp32 (the master's dtype), or the weights' dtype if wider."""
+    # exercise: three ints, the bytes that torch holds per parameter after a step; PRECISIONS, OPTIMIZERS have them
     weight, grad, master = PRECISIONS[precision]
     return weight, grad, master + OPTIMIZERS[optimizer] * max(weight, 4)
+    # end exercise
 
 
 def shard(numel: int, k: int) -> int:
@@ -115,7 +117,7 @@ def model_state_bytes(numel: int, k: int, zero: int, precision: str = "bf16",
                       optimizer: str = "adam") -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) bytes on one of k data-parallel ranks at a ZeRO stage:
     stage 1 shards the optimizer state, 2 also the gradients, 3 also the weights."""
-    # exercise: each of the three, whole (numel) or sharded (ceil(numel/k)) by the stage; bytes_per_param's sizes
+    # exercise: three ints: bytes_per_param's sizes times the elements a rank holds, shard(numel, k) if sharded
     w, g, o = bytes_per_param(precision, optimizer)
     s = shard(numel, k)
     weights = w * (s if zero >= 3 else numel)
@@ -148,7 +150,7 @@ def activation_bytes(model: Model, plan: Plan) -> tuple[int, int] | None:
 def collective_bytes(kind: str, numel: int, k: int, elem_size: int) -> int:
     """Bytes one rank sends in a ring collective over k ranks, the buffer padded to k equal chunks:
     all_reduce 2(k-1)/k*D = reduce_scatter (k-1)/k*D + all_gather (k-1)/k*D."""
-    # exercise: k-1 steps of one chunk of ceil(numel/k) elements, twice for an all-reduce
+    # exercise: an int, exact for any numel and k: the docstring's share of D, the buffer padded as it says
     return (2 if kind == "all_reduce" else 1) * (k - 1) * shard(numel, k) * elem_size
     # end exercise
 

@@ -1,8 +1,12 @@
 """The process-group mesh: which rank talks to whom along each axis of DP x PP x CP x TP, and EP.
 
-world = dp * pp * cp * tp ranks sit in a grid with tensor parallelism innermost:
+world = dp * pp * cp * tp ranks sit in a grid with tensor parallelism innermost: counting the ranks,
+the tp coordinate turns fastest, then cp, then pp, and dp slowest. For dp = 2, pp = 1, cp = 2, tp = 2:
 
-    rank = ((dp_index * pp + pp_index) * cp + cp_index) * tp + tp_index
+    rank   0  1  2  3  4  5  6  7
+    dp     0  0  0  0  1  1  1  1
+    cp     0  0  1  1  0  0  1  1
+    tp     0  1  0  1  0  1  0  1
 
 so the tp ranks of one layer are adjacent (one node, the fastest links: tensor parallelism all-reduces
 activations in every layer, twice forward and twice backward); the cp ranks that share one sequence come
@@ -65,14 +69,16 @@ class RankGrid:
 
     def rank(self, dp: int, pp: int, cp: int, tp: int) -> int:
         """The rank at these coordinates: tp innermost, then cp, pp, and dp outermost."""
-        # exercise: the rank of coordinates (dp, pp, cp, tp), tp varying fastest and dp slowest
+        # exercise: an int, the place (dp, pp, cp, tp) numbered as the docstring draws the grid: tp varying
+        #   fastest, then cp, then pp, dp slowest; the size places get the ranks 0 .. size-1, each a different one
         return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
         # end exercise
 
     def coords(self, rank: int) -> dict[str, int]:
         """The inverse of rank(), and the rank's place in expert parallelism: f = dp * cp + cp_index in the
         data x context product, ep_index = f % ep (which experts), ep_replica = f // ep (which copy of them)."""
-        # exercise: peel tp, cp, pp, dp off the rank (divide and take remainders), then f, ep_index, ep_replica
+        # exercise: a dict of six ints: dp, pp, cp, tp, the place that rank() numbers `rank`, and ep_index,
+        #   ep_replica, the rank's place in expert parallelism as defined above
         tp = rank % self.tp
         cp = rank // self.tp % self.cp
         pp = rank // (self.tp * self.cp) % self.pp
@@ -83,7 +89,9 @@ class RankGrid:
 
     def groups(self, name: str) -> list[list[int]]:
         """All groups of one kind (an axis, dp_cp, ep or edp): the ranks that share SHARED[name]."""
-        # exercise: bucket every rank by the coordinates SHARED[name] it shares with the others of its group
+        # exercise: a list of groups, each a list of ranks in increasing order (a process group's order): every
+        #   rank in exactly one, beside exactly the ranks whose coords() agree with its own on each key of
+        #   SHARED[name]
         found = {}
         for r in range(self.size):
             found.setdefault(tuple(self.coords(r)[c] for c in SHARED[name]), []).append(r)

@@ -12,10 +12,10 @@ groups of the mesh (mini_dist/mesh.py):
 
 One forward + backward on every rank, then the ranks that hold the same weights and saw other tokens (the
 dp x cp of them) average their gradients: each rank then holds its shard of the dense model's gradient on the
-whole batch, exactly (an expert's gradient already sums its EP group's tokens, so its replicas over the edp
-group sum theirs). Per block and microbatch of b(s/C) tokens, a rank sends 4 TP all-reduces of b(s/C)h
-elements (2 with experts, which TP does not cut), 6(C-1) CP hops of b(s/C)h/T (K, V forward, dK, dV back) and
-its routed rows twice (mini_dist/gpt_ledger.py: every byte sent and held, exactly). Experts route with no
+whole batch, exactly (an expert's gradient already holds every token its EP group routed to it). Per block
+and microbatch of b(s/C) tokens, a rank sends 4 TP all-reduces of b(s/C)h elements (2 with experts, which TP
+does not cut), 6(C-1) CP hops of b(s/C)h/T (K, V forward, dK, dV back) and its routed rows twice
+(mini_dist/gpt_ledger.py: every byte sent and held, exactly). Experts route with no
 capacity limit and no auxiliary loss: both depend on which tokens are routed together, so the run would no
 longer equal one process.
 
@@ -84,9 +84,11 @@ def local_batch(cfg: Config, mesh: Mesh, step: int) -> tuple[torch.Tensor, torch
 
 
 def average_gradients(model, mesh: Mesh) -> None:
-    """Plain data parallelism (train_5d.py overlaps it): each gradient averaged over the dp x cp ranks, which
-    saw other tokens; an expert's already sums its EP group's tokens: its replicas (edp) sum theirs, / dp*cp."""
-    # exercise: sum each gradient over its group (edp for an expert, which has ep_dim; dp_cp else), / (dp x cp)
+    """Plain data parallelism (train_5d.py overlaps it): after one forward + backward of the mean loss over this
+    rank's tokens, every rank's gradients become its shard of the dense model's gradient of the whole batch."""
+    # exercise: nothing returned; every p.grad of model replaced by this rank's shard of the dense model's
+    #   gradient (within fp64 rounding), on every rank. An expert's weights carry ep_dim; mesh has the groups
+    #   (mesh.dp_cp_group, mesh.ep_group, mesh.edp_group, ...); all_reduce (collectives) sums over one
     n = mesh.grid.dp * mesh.grid.cp
     for p in model.parameters():
         p.grad = all_reduce(p.grad, mesh.edp_group if hasattr(p, "ep_dim") else mesh.dp_cp_group) / n

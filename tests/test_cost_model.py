@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from grading import mistake
 from harness import device, rank_generator, run
 from mini_dist import cost_model
 from mini_dist.cost_model import (GB, Model, Plan, activation_bytes, bytes_per_param, collective_bytes, dp_traffic,
@@ -24,6 +25,243 @@ from mini_dist.cost_model import (GB, Model, Plan, activation_bytes, bytes_per_p
 B = 10 ** 9
 PRECISION = st.sampled_from(["fp32", "bf16", "fp16"])
 OPTIMIZER = st.sampled_from(["sgd", "momentum", "adam"])
+
+
+# ----- the learner's exercise (./run.sh check cost_model): bytes per parameter, per rank, per collective, exact
+
+MISTAKES = {  # each is made by a wrong solution of tests/bank_cost_model.py (tests/test_exercise.py holds that)
+    "bytes from the wrong dtype": ("bytes_per_param", "the weights and .grad are in the precision's dtype; the "
+                                   "optimizer's state tensors in fp32, the master copy's dtype, or in the weights' "
+                                   "dtype where it is wider (fp64)"),
+    "master copy left out": ("bytes_per_param", "with 16-bit weights the optimizer steps an fp32 master copy of them: "
+                             "its 4 bytes per parameter count as state"),
+    "a master copy of fp32 weights": ("bytes_per_param", "weights already in fp32 (or wider) are stepped in place: "
+                                      "a master copy exists only for 16-bit weights (PRECISIONS' third size)"),
+    "sharded at the wrong stage": ("model_state_bytes", "ZeRO-1 shards the optimizer state, ZeRO-2 the gradients too, "
+                                   "ZeRO-3 the weights too: each shard is shard(numel, k) elements, the rest whole"),
+    "chunk not rounded up": ("collective_bytes", "the buffer is padded to k equal pieces of ceil(numel/k) elements, "
+                             "shard(numel, k): a rank holds, and a ring step sends, a whole one"),
+    "all-reduce counted once": ("collective_bytes", "a ring all-reduce is a reduce-scatter then an all-gather: k-1 "
+                                "steps each, twice the bytes of either"),
+    "k steps instead of k-1": ("collective_bytes", "each rank starts with its own chunk: a ring phase over k ranks "
+                               "takes k-1 steps"),
+}
+PROBE = (10, 4)  # numel, k: k does not divide numel, and whole (10), ceil (3), floor (2) all differ
+
+
+def also(said: str, found: str | None) -> str:
+    """A failure's words, and the mistake behind it on a line of its own where one was recognised."""
+    return f"{said}\n{found}" if found else said
+
+
+def ints(values) -> bool:
+    return isinstance(values, tuple) and all(type(v) is int for v in values)
+
+
+def torch_holds(precision: str, optimizer: str) -> list[tuple[str, torch.dtype, int]]:
+    """What torch holds per parameter after one step of a model of 1001 parameters: (what, dtype, bytes) of the
+    weights, their .grad, the fp32 master copy the optimizer steps (16-bit weights), and each state tensor."""
+    weight = torch.zeros(1001, dtype=cost_model.DTYPES[precision], requires_grad=True)  # cpu: one process
+    weight.grad = torch.ones_like(weight)
+    master = torch.nn.Parameter(weight.detach().float()) if weight.element_size() < 4 else weight
+    master.grad = weight.grad.to(master.dtype)
+    opt = torch.optim.Adam([master]) if optimizer == "adam" else torch.optim.SGD(
+        [master], lr=0.1, momentum=0.9 if optimizer == "momentum" else 0.0)
+    opt.step()
+    held = [("weight", weight.dtype, weight.element_size()), (".grad", weight.grad.dtype, weight.element_size())]
+    if master is not weight:
+        held.append(("master copy", master.dtype, master.element_size()))
+    held += [(name, t.dtype, t.element_size()) for s in opt.state.values() for name, t in s.items() if t.dim()]
+    return held
+
+
+def bytes_per_param_mistake() -> str | None:
+    """The learner's bytes per parameter, read against torch's: state tensors in the weights' dtype (or fp32 for
+    fp64 weights), weights counted at the master's size, or the master copy left out."""
+    for precision, (weight, _, master) in cost_model.PRECISIONS.items():
+        for optimizer, count in cost_model.OPTIMIZERS.items():
+            right = (weight, weight, master + count * max(weight, 4))
+            try:
+                got = tuple(cost_model.bytes_per_param(precision, optimizer))
+            except Exception:  # the failing property says what it raised
+                return None
+            said = f"bytes_per_param({precision!r}, {optimizer!r}) is {got}, torch holds {right}"
+            if got == right or len(got) != 3:
+                continue
+            if master and got[:2] == (4, 4):
+                return mistake(MISTAKES, "bytes from the wrong dtype", f"{said}: weights and .grad counted at the "
+                               f"fp32 master's 4 bytes; the model's are {precision}, {weight} bytes")
+            if count and got[2] != right[2] and got[2] == master + count * weight:
+                tensors = "m and v" if optimizer == "adam" else "momentum buffer"
+                return mistake(MISTAKES, "bytes from the wrong dtype", f"{said}: {optimizer}'s {tensors} counted at "
+                               f"the weights' {weight} bytes; torch keeps the state in "
+                               f"{'fp32' if weight < 4 else precision}, {max(weight, 4)} bytes a tensor")
+            if count and weight > 4 and got[2] == master + count * 4:
+                return mistake(MISTAKES, "bytes from the wrong dtype", f"{said}: {optimizer}'s state counted in "
+                               f"fp32; for {precision} weights torch keeps it in {precision}, {weight} bytes each")
+            if master and got[2] == count * max(weight, 4):
+                return mistake(MISTAKES, "master copy left out", f"{said}: the state has no room for the fp32 "
+                               f"master weights, 4 bytes a parameter")
+            if not master and got[2] - right[2] in (4, weight):
+                return mistake(MISTAKES, "a master copy of fp32 weights", f"{said}: {got[2] - right[2]} B more state "
+                               f"than torch keeps, a master copy of weights that are {precision} already")
+    return None
+
+
+def int_note(got, want) -> str:
+    """What to add when the values are right but not ints (a / where // was meant)."""
+    return ": the right values, but as floats; the contract asks for ints (// divides to an int)" if got == want else ""
+
+
+def elements(got: int, size: int) -> str:
+    numel, k = PROBE
+    count = {numel: "whole", -(-numel // k): "sharded", numel // k: "rounded down"}
+    return count.get(got // size, "") if size and got % size == 0 else ""
+
+
+def model_state_mistake() -> str | None:
+    """The learner's model_state_bytes on N = 10 parameters over K = 4 ranks at every stage, read part by part:
+    counted whole (10 elements), sharded (ceil(10/4) = 3) or rounded down (10 // 4 = 2)."""
+    numel, k = PROBE
+    try:
+        sizes = cost_model.bytes_per_param("bf16", "adam")
+        got = [cost_model.model_state_bytes(numel, k, zero, "bf16", "adam") for zero in range(4)]
+    except Exception:
+        return None
+    parts = ("weights", "gradients", "optimizer state")
+    sharded_from = (3, 2, 1)  # the first stage that shards each part
+    for zero in range(4):
+        for i, part in enumerate(parts):
+            counted = elements(got[zero][i], sizes[i])
+            said = (f"model_state_bytes({numel}, {k}, {zero}) counts the {part} as {got[zero][i]} B = "
+                    f"{got[zero][i] // max(sizes[i], 1)} x {sizes[i]} B")
+            stage = cost_model.STAGES[zero]
+            if counted == "rounded down":
+                return mistake(MISTAKES, "chunk not rounded up", f"{said}: {numel} // {k} elements; a rank's shard of "
+                               f"{numel} over {k} is ceil({numel}/{k}) = {-(-numel // k)}", "model_state_bytes")
+            if counted == "whole" and zero >= sharded_from[i]:
+                return mistake(MISTAKES, "sharded at the wrong stage", f"{said}: all {numel} elements, but {stage} "
+                               f"shards the {part}: {-(-numel // k)} elements a rank")
+            if counted == "sharded" and zero < sharded_from[i]:
+                return mistake(MISTAKES, "sharded at the wrong stage", f"{said}: a shard, but {stage} keeps every "
+                               f"rank's {part} whole: all {numel} elements")
+    return None
+
+
+def collective_mistake() -> str | None:
+    """The learner's collective_bytes for 10 elements of 2 bytes over 4 ranks, read against the ring's figures."""
+    numel, k = PROBE
+    chunk = -(-numel // k)
+    try:
+        got = {kind: cost_model.collective_bytes(kind, numel, k, 2) for kind in ("all_reduce", "reduce_scatter")}
+    except Exception:
+        return None
+    said = f"collective_bytes('all_reduce', {numel}, {k}, 2) is {got['all_reduce']}"
+    phase = (k - 1) * chunk * 2
+    if got["all_reduce"] == phase and got["reduce_scatter"] == phase:
+        return mistake(MISTAKES, "all-reduce counted once", f"{said}, the same as the reduce-scatter's: {k - 1} steps "
+                       f"x {chunk} elements x 2 B, one phase; the all-reduce's all-gather sends as much again")
+    for factor, kind in ((2, "all_reduce"), (1, "reduce_scatter")):
+        shown = f"collective_bytes({kind!r}, {numel}, {k}, 2) is {got[kind]}"
+        if got[kind] == factor * (k - 1) * (numel // k) * 2:
+            return mistake(MISTAKES, "chunk not rounded up", f"{shown}: {k - 1} steps of {numel}/{k} elements "
+                           f"rounded down, not of whole chunks of ceil({numel}/{k}) = {chunk}")
+        if factor * (k - 1) * (numel // k) * 2 < got[kind] <= factor * (k - 1) * numel * 2 / k:
+            return mistake(MISTAKES, "chunk not rounded up", f"{shown}: (k-1)/k of the {numel} elements x 2 B "
+                           f"as they are, {factor * (k - 1) * numel * 2 / k:g} B at most; the ring sends whole chunks "
+                           f"of the buffer padded to {k} x ceil({numel}/{k}) = {k * chunk} elements")
+        if got[kind] == factor * k * chunk * 2:
+            return mistake(MISTAKES, "k steps instead of k-1", f"{shown} = {factor} x {k} steps x {chunk} elements "
+                           f"x 2 B: {k} steps where the ring takes {k - 1}")
+    return None
+
+
+@pytest.mark.exercise(judges=("bytes_per_param",))
+@pytest.mark.single_process
+def test_bytes_per_param_are_what_torch_holds_after_a_step_for_every_precision_and_optimizer():
+    """bytes_per_param: (weight, gradient, state) bytes = what torch holds per parameter after a step, each precision
+    and optimizer (exact)
+
+    Measured with torch.optim (torch_holds): the weights and their .grad in the precision's dtype; the state, for
+    16-bit weights the fp32 master copy the optimizer steps, and each state tensor the optimizer keeps."""
+    for precision in cost_model.PRECISIONS:
+        for optimizer in cost_model.OPTIMIZERS:
+            held = torch_holds(precision, optimizer)
+            want = (held[0][2], held[1][2], sum(b for _, _, b in held[2:]))
+            got = cost_model.bytes_per_param(precision, optimizer)
+            if got != want or not ints(got):
+                state = " + ".join(f"{what} ({str(dtype)[6:]}, {b} B)" for what, dtype, b in held[2:]) or "nothing"
+                assert False, also(f"bytes_per_param({precision!r}, {optimizer!r}) is {got!r}, want {want}"
+                                   f"{int_note(got, want)}: per parameter torch holds the weight "
+                                   f"({str(held[0][1])[6:]}, {held[0][2]} B), its .grad ({held[1][2]} B), and as "
+                                   f"state {state}", bytes_per_param_mistake())
+
+
+@pytest.mark.exercise(judges=("model_state_bytes",))
+@pytest.mark.single_process
+@given(numel=st.integers(1, 10 ** 12), k=st.integers(1, 4096), zero=st.integers(0, 3), precision=PRECISION,
+       optimizer=OPTIMIZER)
+def test_model_state_bytes_count_a_shard_of_what_the_stage_shards_and_the_rest_whole(numel, k, zero, precision,
+                                                                                    optimizer):
+    """model_state_bytes: bytes_per_param's sizes x ceil(numel/k) elements for what the stage shards (1: the state,
+    2: + gradients, 3: + weights), x numel for the rest (exact)"""
+    sizes = cost_model.bytes_per_param(precision, optimizer)
+    per_rank = -(-numel // k)
+    want = tuple(size * (per_rank if zero >= first else numel) for size, first in zip(sizes, (3, 2, 1)))
+    got = cost_model.model_state_bytes(numel, k, zero, precision, optimizer)
+    assert got == want and ints(got), also(f"model_state_bytes({numel}, {k}, {zero}, {precision!r}, {optimizer!r}) "
+                                           f"is {got!r}, want {want}{int_note(got, want)}: bytes_per_param {sizes} "
+                                           f"x (weights, gradients, "
+                                           f"state) elements, ceil({numel}/{k}) = {per_rank} for what "
+                                           f"{cost_model.STAGES[zero]} shards", model_state_mistake())
+
+
+@pytest.mark.exercise(judges=("model_state_bytes",))
+@pytest.mark.single_process
+@given(per_rank=st.integers(1, 10 ** 10), k=st.integers(1, 1024))
+def test_zero_stages_match_the_zero_paper_for_mixed_and_fp32_adam(per_rank, k):
+    """model_state_bytes: the ZeRO paper's 16N, 4N + 12N/K, 2N + 14N/K, 16N/K per rank for mixed-precision Adam
+    (fp32 Adam: 16N, 8N + 8N/K, 4N + 12N/K, 16N/K), exact where K divides N"""
+    n = per_rank * k
+    for precision, want in (("bf16", [16 * n, 4 * n + 12 * n // k, 2 * n + 14 * n // k, 16 * n // k]),
+                            ("fp32", [16 * n, 8 * n + 8 * n // k, 4 * n + 12 * n // k, 16 * n // k])):
+        for zero, bytes_ in enumerate(want):
+            got = sum(cost_model.model_state_bytes(n, k, zero, precision, "adam"))
+            assert got == bytes_, also(f"{precision} Adam, N = {n}, K = {k}, stage {zero}: {got} B per rank, want "
+                                       f"{bytes_}", model_state_mistake() or bytes_per_param_mistake())
+
+
+@pytest.mark.exercise(judges=("collective_bytes",))
+@pytest.mark.single_process
+@given(kind=st.sampled_from(["all_reduce", "reduce_scatter", "all_gather"]), numel=st.integers(0, 10 ** 6),
+       k=st.integers(1, 64), elem=st.sampled_from([1, 2, 4, 8]))
+def test_collective_bytes_are_k_minus_1_steps_of_a_whole_chunk_of_the_padded_buffer(kind, numel, k, elem):
+    """collective_bytes: (k-1)/k x D, D the buffer padded to k chunks of ceil(numel/k) elements, twice for an
+    all-reduce (exact, any numel)
+
+    zero.py and fsdp.py pad their flat buffers the same way: tests below hold their ledgers to these bytes."""
+    padded = k * -(-numel // k) * elem
+    phases = 2 if kind == "all_reduce" else 1
+    got = cost_model.collective_bytes(kind, numel, k, elem)
+    want = phases * (k - 1) * padded // k
+    assert type(got) is int and got == want, also(
+        f"collective_bytes({kind!r}, {numel}, {k}, {elem}) is {got!r}, want {want} = {phases} x (k-1)/k x D, D = "
+        f"{k} chunks of ceil({numel}/{k}) = {-(-numel // k)} elements x {elem} B{int_note(got, want)}",
+        collective_mistake())
+
+
+@pytest.mark.exercise(judges=("collective_bytes",))
+@pytest.mark.single_process
+@given(n=st.integers(1, 64), chunk=st.integers(0, 10 ** 6), elem=st.sampled_from([1, 2, 4, 8]))
+def test_ring_all_reduce_sends_2_n_minus_1_over_n_times_d_per_rank(n, chunk, elem):
+    """collective_bytes: a ring all-reduce sends 2(N-1)/N x D per rank, a reduce-scatter half that (exact)"""
+    d = n * chunk * elem
+    got = cost_model.collective_bytes("all_reduce", n * chunk, n, elem)
+    assert got * n == 2 * (n - 1) * d, also(f"all_reduce of D = {d} B over {n} ranks: {got} B per rank, want "
+                                            f"2(N-1)/N D", collective_mistake())
+    half = cost_model.collective_bytes("reduce_scatter", n * chunk, n, elem)
+    assert 2 * half == got, also(f"reduce_scatter of D = {d} B over {n} ranks: {half} B, want half the all-reduce's "
+                                 f"{got}", collective_mistake())
 
 
 # ----------------------------------------------------------------------------- figures often quoted
@@ -38,16 +276,6 @@ def test_mixed_precision_saves_no_state_memory_because_the_fp32_master_copy_eats
 
 def test_3b_adam_mixed_precision_needs_48_gb():
     assert sum(model_state_bytes(3 * B, 1, 0)) == 48 * B
-
-
-@pytest.mark.exercise
-@pytest.mark.single_process
-@given(n=st.integers(1, 64), chunk=st.integers(0, 10 ** 6), elem=st.sampled_from([1, 2, 4, 8]))
-def test_ring_all_reduce_sends_2_n_minus_1_over_n_times_d_per_rank(n, chunk, elem):
-    d, got = n * chunk * elem, cost_model.collective_bytes("all_reduce", n * chunk, n, elem)
-    assert got * n == 2 * (n - 1) * d, f"all_reduce of D = {d} B over {n} ranks: {got} B per rank, want 2(N-1)/N D"
-    half = cost_model.collective_bytes("reduce_scatter", n * chunk, n, elem)
-    assert 2 * half == got, f"reduce_scatter of D = {d} B over {n} ranks: {half} B, want half the all-reduce's {got}"
 
 
 @pytest.mark.single_process
@@ -65,18 +293,6 @@ def test_zero2_sends_the_same_bytes_as_ddp_not_fewer(numel, k, m, precision):
 
 
 # ----------------------------------------------------------------------------- the papers' formulas
-
-
-@pytest.mark.exercise
-@pytest.mark.single_process
-@given(per_rank=st.integers(1, 10 ** 10), k=st.integers(1, 1024))
-def test_zero_stages_match_the_zero_paper_for_mixed_and_fp32_adam(per_rank, k):
-    n = per_rank * k
-    for precision, want in (("bf16", [16 * n, 4 * n + 12 * n // k, 2 * n + 14 * n // k, 16 * n // k]),
-                            ("fp32", [16 * n, 8 * n + 8 * n // k, 4 * n + 12 * n // k, 16 * n // k])):
-        for zero, bytes_ in enumerate(want):
-            got = sum(cost_model.model_state_bytes(n, k, zero, precision, "adam"))
-            assert got == bytes_, f"{precision} Adam, N = {n}, K = {k}, stage {zero}: {got} B per rank, want {bytes_}"
 
 
 def test_zero_paper_figure_1_for_7_5b_parameters_on_64_gpus():

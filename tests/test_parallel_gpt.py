@@ -13,17 +13,21 @@ far below that and far above the rounding."""
 import contextlib
 
 import pytest
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from harness import run
+from grading import mistake
+from harness import device, run
 from mini_dist import parallel_gpt
 from mini_dist.kit import launch
 from mini_dist.mesh import Mesh, RankGrid
 from mini_dist.parallel_gpt import configuration_error
-from mini_dist.tiny_gpt import Config, padded_vocab
+from mini_dist.tiny_gpt import Config, dense_model, get_batch, padded_vocab, tiny_gpt
+from mini_dist.vocab_parallel import vocab_parallel_cross_entropy
 
 TOL = 1e-12
 _meshes = {}
@@ -60,10 +64,167 @@ def check(dp, cp, tp, ep=1, experts=0, checkpoint=False, seed=0, seq=16, math_ke
     return results
 
 
+# ----- the learner's exercise (./run.sh check parallel_gpt): average_gradients, judged rank by rank
+
+MISTAKES = {  # each is made by a wrong solution of tests/bank_parallel_gpt.py (tests/test_exercise.py holds that)
+    "a sum where an average was meant": ("average_gradients", "each rank's loss is the mean over its own tokens, so "
+                                         "the sum over the N = dp x cp ranks that hold the same weights is N times "
+                                         "the mean over all of them: divide by N"),
+    "the context-parallel ranks left out": ("average_gradients", "a cp rank holds the same weights as its dp "
+                                            "replicas and saw other tokens (another part of the same sequences): "
+                                            "the average runs over all dp x cp of them"),
+    "expert gradients summed with other experts'": ("average_gradients", "the ranks of an EP group hold different "
+                                                    "experts (a parameter with ep_dim): reduce an expert's gradient "
+                                                    "only over the ranks that hold the same experts"),
+    "expert gradients averaged over their replicas only": ("average_gradients", "the all-to-all already brought "
+                                                           "each expert the tokens of its whole EP group: summed "
+                                                           "over its replicas it holds the tokens of all dp x cp "
+                                                           "ranks, so it too is divided by dp x cp"),
+    "expert gradients left unreduced": ("average_gradients", "an expert's replicas (the same experts on the other "
+                                        "EP groups) saw other tokens: sum over them too, then divide by dp x cp"),
+}
+# grids whose mistakes differ: dp alone, cp alone, experts with replicas (two EP groups of dp x cp), experts
+# beside TP, and an odd world whose experts have no replica; batch 2 x dp. The grid with replicas comes before
+# those without: there an expert left unreduced and one divided by its replicas' count leave different figures
+GRADIENT_CASES = [dict(dp=1, cp=1, tp=1), dict(dp=2, cp=1, tp=1), dict(dp=1, cp=2, tp=1),
+                  dict(dp=2, cp=2, tp=1, ep=2, experts=4), dict(dp=2, cp=1, tp=2, ep=2, experts=2),
+                  dict(dp=1, cp=3, tp=1, ep=3, experts=3, seq=12)]
+
+
+def reduced(grads: dict, groups: dict, divisors: dict) -> dict:
+    """Each gradient summed over its group (None: left as it is), then divided: what a solution leaves."""
+    out = {}
+    for name, g in grads.items():
+        g = g.clone()
+        if groups[name] is not None:
+            dist.all_reduce(g, group=groups[name])
+        out[name] = g / divisors[name]
+    return out
+
+
+def plural(count: int, word: str) -> str:
+    return f"{count} {word}{'s' if count != 1 else ''}"
+
+
+def classic_mistakes(grads: dict, experts: set, mesh: Mesh) -> list[tuple[str, str, dict]]:
+    """(mistake, what it leaves, the gradients it leaves) for each classic mistake, on this rank. Every rank
+    computes every one, the same collectives in the same order."""
+    g = mesh.grid
+    n = g.dp * g.cp
+    edp = n // g.ep
+    right = {p: mesh.edp_group if p in experts else mesh.dp_cp_group for p in grads}
+    by_n = dict.fromkeys(grads, n)
+
+    def for_experts(base: dict, value) -> dict:
+        """base, with `value` for every expert's gradient."""
+        return {p: value if p in experts else base[p] for p in base}
+
+    def for_the_rest(base: dict, value) -> dict:
+        """base, with `value` for every gradient but the experts'."""
+        return {p: base[p] if p in experts else value for p in base}
+    return [
+        ("a sum where an average was meant", f"your gradients are the sums over the {n} ranks that hold the same "
+         f"weights, never divided: {n} times the dense model's", reduced(grads, right, dict.fromkeys(grads, 1))),
+        ("the context-parallel ranks left out", f"your gradients are averaged over the {plural(g.dp, 'dp rank')} "
+         f"only, not over the {plural(g.cp, 'cp rank')} beside them",
+         reduced(grads, for_the_rest(right, mesh.dp_group), for_the_rest(by_n, g.dp))),
+        ("the context-parallel ranks left out", f"your gradients are summed over dp x cp = {n} ranks but divided by "
+         f"dp = {g.dp}: {g.cp} times the dense model's", reduced(grads, right, for_the_rest(by_n, g.dp))),
+        ("expert gradients summed with other experts'", f"your expert gradients are averaged over the dp x cp group, "
+         f"whose {n} ranks hold {g.ep} different sets of experts",
+         reduced(grads, for_experts(right, mesh.dp_cp_group), by_n)),
+        ("expert gradients summed with other experts'", f"your expert gradients are summed over the EP group, "
+         f"whose {g.ep} ranks hold different experts", reduced(grads, for_experts(right, mesh.ep_group), by_n)),
+        ("expert gradients averaged over their replicas only", f"your expert gradients are summed over their "
+         f"{plural(edp, 'replica')} and divided by {edp}, not by dp x cp = {n}: {g.ep} times the dense model's",
+         reduced(grads, right, for_experts(by_n, edp))),
+        ("expert gradients left unreduced", f"your expert gradients are divided by {n} but never summed over their "
+         f"{plural(edp, 'replica')}", reduced(grads, for_experts(right, None), by_n)),
+        ("expert gradients left unreduced", "your expert gradients are as backward left them",
+         reduced(grads, for_experts(right, None), for_experts(by_n, 1))),
+    ]
+
+
+def first_difference(got: dict, want: dict) -> tuple | None:
+    """(parameter, element, got, want, difference) where got and want first differ by more than TOL, else None."""
+    for name, w in want.items():
+        mine = got[name]
+        if mine is None or mine.shape != w.shape:
+            return name, None, None if mine is None else tuple(mine.shape), tuple(w.shape), None
+        diff = (mine.double() - w).abs().flatten()
+        if not diff.max() <= TOL:  # NaN too
+            at = int(torch.nan_to_num(diff, nan=float("inf")).argmax())
+            return name, at, mine.flatten()[at].item(), w.flatten()[at].item(), diff[at].item()
+    return None
+
+
+def matches(got: dict, theirs: dict, want: dict) -> bool:
+    """got is what a mistake leaves, on every gradient where that mistake changes anything (and it changes one)."""
+    changed = [p for p in want if first_difference({p: theirs[p]}, {p: want[p]})]
+    return bool(changed) and all(got[p] is not None and not first_difference({p: got[p]}, {p: theirs[p]})
+                                 for p in changed)
+
+
+def gradients_against_dense(grid: RankGrid, cfg: Config):
+    """On a rank: one forward + backward of its shard on its tokens, the module's average_gradients, and its
+    gradients beside its shard of the dense model's gradient of the whole batch (the dense model's weights set
+    to their gradients, then sharded as the weights are). Returns (rank, the first difference or None, the
+    classic mistakes whose gradients the rank holds)."""
+    mesh = mesh_for(grid)
+    model = parallel_gpt.parallel_model(cfg, mesh)
+    ids, targets = parallel_gpt.local_batch(cfg, mesh, 0)
+    vocab_parallel_cross_entropy(model(ids), targets, mesh.tp_group).mean().backward()
+    params = dict(model.named_parameters())
+    grads = {name: p.grad.detach().clone() for name, p in params.items()}
+    experts = {name for name, p in params.items() if hasattr(p, "ep_dim")}
+    dense = dense_model(cfg, device())
+    ids, targets = get_batch(cfg, 0)
+    F.cross_entropy(dense(ids).flatten(0, 1), targets.flatten()).backward()
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.copy_(p.grad)
+    want = dict(parallel_gpt.shard_from_dense(tiny_gpt(cfg, mesh, device()), dense, mesh).named_parameters())
+    want = {name: w.detach() for name, w in want.items()}
+    parallel_gpt.average_gradients(model, mesh)  # the module's, at call time
+    got = {name: None if p.grad is None else p.grad.detach() for name, p in params.items()}
+    made = [(name, said) for name, said, theirs in classic_mistakes(grads, experts, mesh) if matches(got, theirs, want)]
+    return dist.get_rank(), first_difference(got, want), made
+
+
+def grid_case(case: dict) -> str:
+    return " x ".join(f"{a} {case.get(a, 1)}" for a in ("dp", "cp", "tp")) + (
+        f", {case['experts']} experts over ep {case['ep']}" if case.get("experts") else ", an MLP")
+
+
+@pytest.mark.exercise(judges=("average_gradients",))
+@pytest.mark.parametrize("case", GRADIENT_CASES, ids=[grid_case(c) for c in GRADIENT_CASES])
+def test_averaged_gradients_are_each_ranks_shard_of_the_dense_models_gradient(case):
+    """average_gradients: each rank's gradients = its shard of the dense model's gradient of the whole batch's mean
+    loss, within 1e-12 (fp64)
+
+    The cut model differs from the dense one only in the order of its sums (a few ulps, measured <= 4.4e-16): a
+    wrong divisor or group moves a gradient by as much as the gradient itself."""
+    shape = {k: v for k, v in case.items() if k not in ("dp", "cp", "tp", "ep")}
+    grid = RankGrid(dp=case["dp"], cp=case["cp"], tp=case["tp"], ep=case.get("ep", 1))
+    cfg = Config(vocab=padded_vocab(grid.tp), layers=2, batch=2 * grid.dp, **{"seq": 16, **shape})
+    assert configuration_error(cfg, grid) is None
+    for rank, differ, made in run(grid.size, gradients_against_dense, grid, cfg):
+        if differ is None:
+            continue
+        name, at, got, want, by = differ
+        where = f"{grid_case(case)}: rank {rank}'s {name}.grad"
+        if at is None:
+            said = f"{where} is {'missing (None)' if got is None else f'of shape {got}'}, want shape {want}"
+        else:
+            said = (f"{where}, element {at}: {got!r}, want {want!r} (its shard of the dense model's gradient), off by "
+                    f"{by:.1e}, more than 1e-12")
+        found = [mistake(MISTAKES, m, evidence) for m, evidence in made[:1]]
+        assert False, "\n".join([said, *found])
+
+
 CASES = [(d, c, t) for world in (1, 2, 4) for d, c, t in factorisations(world)]
 
 
-@pytest.mark.exercise
 @pytest.mark.parametrize("dp,cp,tp", CASES, ids=[f"dp{d}xcp{c}xtp{t}" for d, c, t in CASES])
 def test_every_factorisation_equals_the_dense_gpt_and_moves_the_formula_bytes(dp, cp, tp):
     # experts on every other case, spread over the largest expert group dp x cp allows; recomputation on a third
