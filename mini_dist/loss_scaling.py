@@ -57,7 +57,11 @@ class DynamicLossScaler:
         """Back off after an overflow (any optimizer's), grow after growth_interval clean iterations. Each
         new scale is the product in fp64 rounded to fp32 (to_float32), as torch._amp_update_scale_ makes it."""
         overflow = self.end_iteration()
-        # exercise: overflow: S *= backoff, tracker = 0; else at the growth_interval-th clean step S *= growth
+        # exercise: afterwards, as torch._amp_update_scale_ leaves them: _growth_tracker counts the clean
+        #   iterations (no overflow) since the last overflow or growth; an overflow multiplies the scale by
+        #   backoff_factor; the growth_interval-th clean iteration in a row multiplies it by growth_factor and
+        #   starts the count again, but a scale that would become inf in fp32 stays as it was (the count starts
+        #   again all the same). A new scale is to_float32(scale * factor): Python floats rounded to fp32.
         if overflow:
             self._scale = to_float32(self._scale * self.backoff_factor)
             self._growth_tracker = 0
@@ -101,10 +105,15 @@ class DynamicLossScaler:
         """optimizer.step(), unless the gradients held inf/NaN: then the step is skipped."""
         if id(optimizer) in self._stepped:
             raise RuntimeError("step() was already called on this optimizer since the last update()")
+        self._stepped.add(id(optimizer))
+        # exercise: the optimizer stepped (optimizer.step(*args, **kwargs), its result returned) only when this
+        #   iteration's gradients, divided by the scale, held no inf/NaN; else nothing changes, None returned.
+        #   unscale_(optimizer) divides them and keeps whether they held inf/NaN in self._found_inf; it may
+        #   have been called on this optimizer already this iteration (to clip), and refuses a second call.
         if id(optimizer) not in self._found_inf:
             self.unscale_(optimizer)
-        self._stepped.add(id(optimizer))
         return None if self._found_inf[id(optimizer)] else optimizer.step(*args, **kwargs)
+        # end exercise
 
     def get_scale(self) -> float:
         return self._scale

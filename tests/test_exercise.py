@@ -270,7 +270,9 @@ def function_node(tree, qualified: str):
 def names_unknown(source: str, function: str, known: set) -> set:
     """Names a filled function reads that are neither its own, nor its module's, nor builtins."""
     node = function_node(ast.parse(source), function)
-    own = {a.arg for a in node.args.args + node.args.kwonlyargs} | {
+    signature = node.args
+    own = {a.arg for a in [*signature.posonlyargs, *signature.args, *signature.kwonlyargs, signature.vararg,
+                           signature.kwarg] if a is not None} | {
         n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     read = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     return read - own - known - set(dir(builtins))
