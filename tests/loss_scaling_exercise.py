@@ -127,11 +127,12 @@ def after_overflow() -> str | None:
 
 
 def past_max() -> str | None:
-    trace = updates(2.0 ** 127, 2.0, 0.5, 1, (False,))
-    if not math.isinf(to_float32(trace[0][0])):
+    grown = updates(2.0 ** 127, 2.0, 0.5, 1, (False,))[0][0]
+    if not math.isinf(to_float32(grown)):
         return None
+    said = "inf" if math.isinf(grown) else f"{grown:g} (inf in fp32)"
     return mistake(MISTAKES, "grown past fp32's max", f"from S = 2^127, growth_factor 2, growth_interval 1: one "
-                   f"clean iteration left your scale {trace[0][0]:g} (inf in fp32); GradScaler's stays 2^127")
+                   f"clean iteration left your scale {said}; GradScaler's stays 2^127")
 
 
 def rounding() -> str | None:
