@@ -59,7 +59,7 @@ def test_update_backs_off_on_overflow_and_grows_after_the_interval_exactly_as_to
     want = lse.torchs(*hyper, overflows)
     for t, (got, expected) in enumerate(zip(ours, want)):
         assert got == expected, (
-            f"iteration {t} of {lse.spelled(overflows)} (S0 = {init_scale!r}, growth_factor {growth!r}, "
+            f"iteration {t + 1} of {lse.spelled(overflows)} (S0 = {init_scale!r}, growth_factor {growth!r}, "
             f"backoff_factor {backoff!r}, growth_interval {interval}): yours left scale {got[0]!r}, "
             f"_growth_tracker {got[1]}; torch._amp_update_scale_ {expected[0]!r}, {expected[1]}"
             f"\n{lse.update_mistake() or lse.CONTRACT}")
@@ -71,7 +71,10 @@ class Pipeline:
     `clip`: the gradients unscaled by the caller and clipped before step(), as GradScaler's docs show."""
 
     def __init__(self, scaler, dev, W, b, adam, master, half_loss, clip):
-        self.scaler, self.master, self.half_loss, self.clip = scaler, master, half_loss, clip
+        self.scaler = scaler
+        self.master = master
+        self.half_loss = half_loss
+        self.clip = clip
         half = torch.float16 if master else torch.float32  # fp16 params need fp32 master weights
         self.W, self.b = (t.to(dev, half, copy=True).requires_grad_() for t in (W, b))
         self.frozen = torch.zeros(3, device=dev, dtype=half)
