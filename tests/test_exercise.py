@@ -221,6 +221,15 @@ def test_the_report_is_never_cut_and_its_smallest_case_has_no_comments(monkeypat
 
 
 @pytest.mark.single_process
+def test_an_explicit_example_that_fails_is_the_smallest_case():
+    """A property's @example fails before hypothesis draws anything: its note says 'Failing explicit example'
+    (older hypothesis: 'Falsifying explicit example'), and the report shows it as the smallest case."""
+    for words in ("Failing explicit example", "Falsifying explicit example"):
+        case = f"{words}: test_x(\n    depth=2,\n    p=0.3,  # dropout\n)"
+        assert grading.smallest_case([case]) == "depth=2, p=0.3", words
+
+
+@pytest.mark.single_process
 def test_a_parametrized_propertys_lines_tell_its_cases_apart():
     def prop():
         """holds the contract
