@@ -118,6 +118,17 @@ WRONG = {
             return (None,) * (1 + len(inputs))
         """,
     }),
+    "the rerun on the inputs themselves, None returned: the input's .grad written only as a side effect": (
+        "inputs' gradients not returned", {
+            "ReentrantCheckpoint.forward": REFERENCE_FORWARD,
+            "ReentrantCheckpoint.backward": """
+                inputs = ctx.saved_tensors
+                with replayed_rng(ctx.rng), torch.enable_grad():
+                    output = ctx.fn(*inputs)
+                torch.autograd.backward(output, grad)
+                return None, *(None for x in inputs)
+            """,
+        }),
     "the inputs' gradients returned without fn's None": ("not one gradient per forward argument", {
         "ReentrantCheckpoint.forward": REFERENCE_FORWARD,
         "ReentrantCheckpoint.backward": """

@@ -242,6 +242,16 @@ def gradients(run_model, model, x, seed):
     return out.detach(), None, x.grad, [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
+def returned_gradient(model, x, seed):
+    """The input's gradient as backward returns it (torch.autograd.grad takes it from there alone), and the .grad
+    the input was left with: what a rerun on the input itself wrote into it."""
+    x = x.detach().requires_grad_()
+    torch.manual_seed(seed)
+    out = textbook(model, x)
+    (returned,) = torch.autograd.grad(out, x, torch.ones_like(out), allow_unused=True)
+    return returned, x.grad
+
+
 def spelled(t) -> str:
     return "None" if t is None else f"a {tuple(t.shape)} tensor"
 
@@ -259,6 +269,7 @@ def textbook_departure(depth, width, p, tied, seed) -> tuple[str | None, str | N
         kept = step(textbook, model, x, seed)[1]
         runs = len(calls)
         ours = gradients(textbook, model, x, seed)
+        returned, written = returned_gradient(model, x, seed)
     except NotImplementedError:
         raise  # a blank: its own words say what to write
     except Exception as e:
@@ -292,6 +303,14 @@ def textbook_departure(depth, width, p, tied, seed) -> tuple[str | None, str | N
                 return (f"{case}: {what} differs from the {name} run at {first_difference(a, b)} (yours vs theirs; "
                         f"the same kernels on the same inputs with the same dropout masks: exact)"), \
                     checkpoint_mistake(ours, plain, (depth, width, p, tied, seed))
+    if not identical(returned, plain[2]):
+        found = None
+        if returned is None and written is not None:
+            found = mistake(MISTAKES, "inputs' gradients not returned", "backward returned None for the input, "
+                            "whose .grad the rerun's backward then wrote itself, reaching it through the graph")
+        off = first_difference(returned, plain[2])
+        how = "is None" if returned is None else f"differs from the plain run's at {off}"
+        return f"{case}: the input's gradient as backward returns it (torch.autograd.grad(output, x)) {how}", found
     return None, None
 
 
@@ -328,7 +347,8 @@ def test_the_textbook_checkpoint_keeps_only_its_input_reruns_forward_once_and_eq
     output and every gradient (the input's, the weights' .grad) bit for bit as without checkpointing
 
     Forward saves nothing inside the segment; backward runs it once more with the forward's dropout masks, so
-    the output and every gradient equal the plain model's and torch.utils.checkpoint(use_reentrant=True)'s."""
+    the output and every gradient equal the plain model's and torch.utils.checkpoint(use_reentrant=True)'s,
+    and the input's gradient is the one backward returns (torch.autograd.grad(output, x) takes it from there)."""
     wrong, found = textbook_departure(depth, width, p, tied and depth >= 2, seed)
     assert wrong is None, wrong + (f"\n{found}" if found else "")
 
