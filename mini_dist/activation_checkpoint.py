@@ -43,7 +43,7 @@ class ReentrantCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fn, *inputs):
-        # exercise: keep fn, the inputs (ctx.save_for_backward) and rng_state(inputs); return fn(*inputs)
+        # exercise: returns fn(*inputs), autograd keeping for backward only the inputs (ctx.save_for_backward)
         ctx.fn = fn
         ctx.rng = rng_state(inputs)
         ctx.save_for_backward(*inputs)
@@ -52,7 +52,8 @@ class ReentrantCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # exercise: rerun fn with grad on under replayed_rng, backpropagate grad, return the inputs' grads
+        # exercise: returns (None for fn, then each input's gradient), the weights inside fn left with their .grad
+        #   accumulated, all bit for bit as without checkpointing (dropout's masks: replayed_rng), fn run once more
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         with replayed_rng(ctx.rng), torch.enable_grad():
             output = ctx.fn(*inputs)

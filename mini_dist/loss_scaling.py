@@ -57,7 +57,11 @@ class DynamicLossScaler:
         """Back off after an overflow (any optimizer's), grow after growth_interval clean iterations. Each
         new scale is the product in fp64 rounded to fp32 (to_float32), as torch._amp_update_scale_ makes it."""
         overflow = self.end_iteration()
-        # exercise: overflow: S *= backoff, tracker = 0; else at the growth_interval-th clean step S *= growth
+        # exercise: the scale and _growth_tracker end as torch._amp_update_scale_ leaves them. _growth_tracker:
+        #   the clean iterations (no overflow) since the last overflow or growth. An overflow multiplies the scale
+        #   by backoff_factor; the growth_interval-th clean iteration in a row multiplies it by growth_factor and
+        #   starts the count again; a grown scale that is inf in fp32 is not kept (the count starts again all the
+        #   same). A new scale is to_float32(scale * factor): Python floats rounded to fp32, as GradScaler keeps it.
         if overflow:
             self._scale = to_float32(self._scale * self.backoff_factor)
             self._growth_tracker = 0
@@ -101,10 +105,16 @@ class DynamicLossScaler:
         """optimizer.step(), unless the gradients held inf/NaN: then the step is skipped."""
         if id(optimizer) in self._stepped:
             raise RuntimeError("step() was already called on this optimizer since the last update()")
+        self._stepped.add(id(optimizer))
+        # exercise: the optimizer stepped (optimizer.step(*args, **kwargs), its result returned) only when this
+        #   iteration's gradients, divided by the scale, held no inf/NaN; else nothing changes and None is returned.
+        #   self.unscale_(optimizer) divides them and records whether they held inf/NaN in
+        #   self._found_inf[id(optimizer)]; the caller may have called it already this iteration (to clip), and it
+        #   refuses a second call.
         if id(optimizer) not in self._found_inf:
             self.unscale_(optimizer)
-        self._stepped.add(id(optimizer))
         return None if self._found_inf[id(optimizer)] else optimizer.step(*args, **kwargs)
+        # end exercise
 
     def get_scale(self) -> float:
         return self._scale

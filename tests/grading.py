@@ -61,7 +61,8 @@ def wrapped(label: str, text: str, verdict: str = "") -> list[str]:
 
 def smallest_case(notes: list[str]) -> str | None:
     """Hypothesis's failing example, whole, on one logical line: its arguments and draws, without its comments."""
-    case = next((n for n in notes if n.startswith(("Falsifying example", "Failing test case"))), None)
+    case = next((n for n in notes if n.startswith(("Falsifying example", "Failing test case",
+                                                  "Falsifying explicit example", "Failing explicit example"))), None)
     if case is None:
         return None
     args = " ".join(filter(None, (re.sub(r"\s+#.*$", "", line).strip() for line in case.splitlines()[1:-1])))

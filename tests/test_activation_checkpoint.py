@@ -22,17 +22,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.utils import checkpoint as tc
 
+from grading import mistake
 from harness import device, rank_generator, run, subgroup
 from mini_dist import activation_checkpoint as ac
 from mini_dist.activation_checkpoint import checkpoint, checkpoint_module, checkpoint_sequential
 from mini_dist.kit import launch
 from mini_dist.kit.activations import TransformerLayer
 from mini_dist.kit.measure import SavedTensors, profile_step
+from raised import raised
 
 
 class MLPLayer(nn.Module):
@@ -73,7 +75,7 @@ def step(run_model, model, x, seed):
     with SavedTensors(exclude=model.parameters()) as saved:
         out = run_model(model, x)
     out.backward(torch.ones_like(out))
-    return out.detach(), saved.bytes, x.grad, [p.grad.clone() for p in model.parameters()]
+    return out.detach(), saved.bytes, x.grad, [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
 def identical(a, b):
@@ -183,30 +185,172 @@ def test_non_reentrant_works_where_reentrant_cannot_inputs_without_grad_autograd
         ac.ReentrantCheckpoint.apply(layer, x, scale=scale)
 
 
-@pytest.mark.exercise
-@pytest.mark.single_process
-@given(depth=st.integers(1, 4), width=st.integers(1, 6), p=st.sampled_from([0.0, 0.3]), tied=st.booleans(),
-       seed=st.integers(0, 99))
-def test_the_textbook_checkpoint_keeps_only_its_input_reruns_forward_once_and_equals_torchs_reentrant(
-        depth, width, p, tied, seed):
-    """The textbook checkpoint keeps only its input and reruns forward once, equal to torch's reentrant one.
+# ----- the learner's exercise (./run.sh check activation_checkpoint): the textbook checkpoint, and its mistakes
 
-    Forward saves nothing inside the segment; backward runs it once more with the forward's dropout masks, so
-    the output and every gradient equal the plain model's and torch.utils.checkpoint(use_reentrant=True)'s."""
-    model = mlp(depth, width, p, torch.float32, tied and depth >= 2, seed)
+MISTAKES = {  # each is made by a wrong solution of tests/bank_activation_checkpoint.py (test_exercise.py holds that)
+    "dropout's randomness not replayed": ("ReentrantCheckpoint.backward", "the rerun must draw forward's dropout "
+                                          "masks: keep rng_state(inputs) in forward before fn runs, and rerun fn "
+                                          "inside replayed_rng(ctx.rng)"),
+    "recomputed without grad": ("ReentrantCheckpoint.backward", "a Function's backward runs with grad off, so the "
+                                "rerun records no graph to backpropagate through: rerun fn inside "
+                                "torch.enable_grad()"),
+    "inputs' gradients not returned": ("ReentrantCheckpoint.backward", "autograd takes an input's gradient only "
+                                       "from what backward returns: return the .grad of each input's detached "
+                                       "copy (requires_grad as the input's) after backpropagating"),
+    "not one gradient per forward argument": ("ReentrantCheckpoint.backward", "backward returns one value per "
+                                              "argument of forward, in order: None for fn (not a tensor), then "
+                                              "one per input"),
+    "rerun on the inputs themselves, not detached copies": (
+        "ReentrantCheckpoint.backward", "the rerun's graph must end at leaves of its own: rerun fn on "
+        "x.detach().requires_grad_(x.requires_grad) for each kept input, so that its backward stops there and an "
+        "input's gradient reaches the input once, through what backward returns"),
+    "weights' .grad not accumulated": ("ReentrantCheckpoint.backward", "the weights inside fn are not inputs of "
+                                       "the Function: they get their gradient only from the rerun's own backward "
+                                       "(torch.autograd.backward or output.backward, which accumulate into every "
+                                       "leaf's .grad); torch.autograd.grad(output, inputs) leaves them untouched"),
+    "whole activation kept": ("ReentrantCheckpoint.forward", "forward keeps only the inputs "
+                              "(ctx.save_for_backward) and runs fn as a Function's forward runs, without grad, so "
+                              "that nothing inside fn is saved; backward runs it again"),
+    "inputs kept beside autograd": ("ReentrantCheckpoint.forward", "keep the inputs with "
+                                    "ctx.save_for_backward(*inputs) and read them back from ctx.saved_tensors: "
+                                    "autograd then knows backward needs them (and refuses to run it if they were "
+                                    "modified in place); a tensor put on ctx directly is hidden from it"),
+}
+TORCH_SAYS = {  # what torch raises for a backward that does not fit its forward: the mistake behind it
+    "does not require grad and does not have a grad_fn": "recomputed without grad",
+    "incorrect number of gradients": "not one gradient per forward argument",
+    "corresponding forward input was not a Variable": "not one gradient per forward argument",
+}
+
+
+def textbook(model, x):
+    return ac.ReentrantCheckpoint.apply(model, x)
+
+
+def plainly(model, x):
+    return model(x)
+
+
+def gradients(run_model, model, x, seed):
+    """step's output and gradients, without its saved-tensor hooks: under hooks autograd hands backward a new
+    tensor for each kept input, which would hide a rerun on the input itself (its gradient counted twice)."""
+    model.zero_grad()
+    x = x.detach().requires_grad_(x.requires_grad)
+    torch.manual_seed(seed)
+    out = run_model(model, x)
+    out.backward(torch.ones_like(out))
+    return out.detach(), None, x.grad, [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def returned_gradient(model, x, seed):
+    """The input's gradient as backward returns it (torch.autograd.grad takes it from there alone), and the .grad
+    the input was left with: what a rerun on the input itself wrote into it."""
+    x = x.detach().requires_grad_()
+    torch.manual_seed(seed)
+    out = textbook(model, x)
+    (returned,) = torch.autograd.grad(out, x, torch.ones_like(out), allow_unused=True)
+    return returned, x.grad
+
+
+def spelled(t) -> str:
+    return "None" if t is None else f"a {tuple(t.shape)} tensor"
+
+
+def textbook_departure(depth, width, p, tied, seed) -> tuple[str | None, str | None]:
+    """Where ReentrantCheckpoint.apply(model, x) on an MLP first leaves its contract, in words, and the classic
+    mistake behind it where one is recognised; (None, None) when it keeps it."""
+    case = (f"{depth} layer{'s' * (depth > 1)} of width {width}, dropout p={p}"
+            f"{', a layer used twice' if tied else ''}, seed {seed}")
+    model = mlp(depth, width, p, torch.float32, tied, seed)
     x = inputs(2, width, torch.float32, seed, requires_grad=True)  # reentrant needs an input that requires grad
     calls = []
     model.register_forward_pre_hook(lambda *_: calls.append(1))  # the segment: the whole model
-    ours = step(lambda m, y: ac.ReentrantCheckpoint.apply(m, y), model, x, seed)
-    assert len(calls) == 2, f"the segment ran forward {len(calls)} times, not 2 (forward, then once in backward)"
-    kept = x.numel() * x.element_size()
-    assert ours[1] == kept, f"forward kept {ours[1]} bytes for backward, not the input's {kept}"
-    for name, run_model in [("plain", lambda m, y: m(y)),
-                            ("torch's reentrant", lambda m, y: tc.checkpoint(m, y, use_reentrant=True))]:
-        other = step(run_model, model, x, seed)
+    try:
+        kept = step(textbook, model, x, seed)[1]
+        runs = len(calls)
+        ours = gradients(textbook, model, x, seed)
+        returned, written = returned_gradient(model, x, seed)
+    except NotImplementedError:
+        raise  # a blank: its own words say what to write
+    except Exception as e:
+        named = next((name for words, name in TORCH_SAYS.items() if words in str(e)), None)
+        found = mistake(MISTAKES, named, f"torch said: {' '.join(str(e).split())}") if named else None
+        return f"{case}: forward and backward through it: {raised(e, 'activation_checkpoint')}", found
+    plain = step(plainly, model, x, seed)
+    want = x.numel() * x.element_size()
+    found = None
+    if kept == plain[1]:
+        found = mistake(MISTAKES, "whole activation kept", f"forward kept {kept} bytes, as many as without "
+                        "checkpointing")
+    elif kept == 0:
+        found = mistake(MISTAKES, "inputs kept beside autograd", "autograd was handed no tensor to keep")
+    if runs != 2:
+        return (f"{case}: the segment ran forward {runs} times in one forward and backward, not 2 (once in "
+                f"forward, once more in backward to recompute what forward did not keep)"), found
+    if kept != want:
+        return (f"{case}: forward kept {kept} bytes for backward (what autograd saved), not the input's {want} "
+                f"(the inputs by ctx.save_for_backward, nothing inside fn)"), found
+    theirs = {"plain": plain, "torch's reentrant": step(functools.partial(tc.checkpoint, use_reentrant=True), model,
+                                                         x, seed)}
+    for name, other in theirs.items():
         for what, a, b in [("output", ours[0], other[0]), ("input gradient", ours[2], other[2]),
                            *((f"gradient of parameter {i}", g, h) for i, (g, h) in enumerate(zip(ours[3], other[3])))]:
-            assert not first_difference(a, b), f"{what} differs from the {name} run at {first_difference(a, b)}"
+            if a is None or b is None:
+                if a is not b:
+                    return (f"{case}: {what}: yours is {spelled(a)}, the {name} run's {spelled(b)}"), \
+                        checkpoint_mistake(ours, plain, (depth, width, p, tied, seed))
+            elif first_difference(a, b):
+                return (f"{case}: {what} differs from the {name} run at {first_difference(a, b)} (yours vs theirs; "
+                        f"the same kernels on the same inputs with the same dropout masks: exact)"), \
+                    checkpoint_mistake(ours, plain, (depth, width, p, tied, seed))
+    if not identical(returned, plain[2]):
+        found = None
+        if returned is None and written is not None:
+            found = mistake(MISTAKES, "inputs' gradients not returned", "backward returned None for the input, "
+                            "whose .grad the rerun's backward then wrote itself, reaching it through the graph")
+        off = first_difference(returned, plain[2])
+        how = "is None" if returned is None else f"differs from the plain run's at {off}"
+        return f"{case}: the input's gradient as backward returns it (torch.autograd.grad(output, x)) {how}", found
+    return None, None
+
+
+def checkpoint_mistake(ours, plain, case) -> str | None:
+    """The mistake behind gradients that differ: an input's gradient not returned or counted twice, the weights'
+    .grad left empty, or dropout's masks drawn anew (the same case without dropout passes)."""
+    if ours[2] is None and plain[2] is not None:
+        return mistake(MISTAKES, "inputs' gradients not returned", "the input requires grad, and after backward "
+                       "its .grad is None")
+    if ours[2] is not None and torch.equal(ours[2], 2 * plain[2]) and plain[2].any():
+        return mistake(MISTAKES, "rerun on the inputs themselves, not detached copies", "the input's gradient is "
+                       "exactly twice the plain run's: the rerun's backward reached the input, then autograd added "
+                       "the gradient backward returned")
+    empty = [i for i, (g, h) in enumerate(zip(ours[3], plain[3])) if g is None and h is not None]
+    if empty and identical(ours[2], plain[2]):
+        return mistake(MISTAKES, "weights' .grad not accumulated", f"the input's gradient is exact, and after "
+                       f"backward parameter{'s' * (len(empty) > 1)} {', '.join(map(str, empty))} of fn "
+                       f"{'have' if len(empty) > 1 else 'has'} .grad None")
+    depth, width, p, tied, seed = case
+    if p > 0 and textbook_departure(depth, width, 0.0, tied, seed)[0] is None:
+        return mistake(MISTAKES, "dropout's randomness not replayed", f"with dropout p={p} the gradients differ, "
+                       f"without dropout they are exact: the rerun drew other masks than forward")
+    return None
+
+
+@pytest.mark.exercise(judges=("ReentrantCheckpoint.backward", "ReentrantCheckpoint.forward"))
+@pytest.mark.single_process
+@given(depth=st.integers(1, 4), width=st.integers(1, 6), p=st.sampled_from([0.0, 0.3]), tied=st.booleans(),
+       seed=st.integers(0, 99))
+@example(depth=2, width=4, p=0.3, tied=False, seed=0)  # dropout's masks, drawn twice
+def test_the_textbook_checkpoint_keeps_only_its_input_reruns_forward_once_and_equals_torchs_reentrant(
+        depth, width, p, tied, seed):
+    """The textbook checkpoint keeps only its input (ctx.save_for_backward) and reruns forward once in backward;
+    output and every gradient (the input's, the weights' .grad) bit for bit as without checkpointing
+
+    Forward saves nothing inside the segment; backward runs it once more with the forward's dropout masks, so
+    the output and every gradient equal the plain model's and torch.utils.checkpoint(use_reentrant=True)'s,
+    and the input's gradient is the one backward returns (torch.autograd.grad(output, x) takes it from there)."""
+    wrong, found = textbook_departure(depth, width, p, tied and depth >= 2, seed)
+    assert wrong is None, wrong + (f"\n{found}" if found else "")
 
 
 def test_retain_graph_recomputes_again_for_a_second_backward():

@@ -226,6 +226,15 @@ def test_the_report_is_never_cut_and_its_smallest_case_has_no_comments(monkeypat
 
 
 @pytest.mark.single_process
+def test_an_explicit_example_that_fails_is_the_smallest_case():
+    """A property's @example fails before hypothesis draws anything: its note says 'Failing explicit example'
+    (older hypothesis: 'Falsifying explicit example'), and the report shows it as the smallest case."""
+    for words in ("Failing explicit example", "Falsifying explicit example"):
+        case = f"{words}: test_x(\n    depth=2,\n    p=0.3,  # dropout\n)"
+        assert grading.smallest_case([case]) == "depth=2, p=0.3", words
+
+
+@pytest.mark.single_process
 def test_a_parametrized_propertys_lines_tell_its_cases_apart():
     def prop():
         """holds the contract
@@ -275,7 +284,9 @@ def function_node(tree, qualified: str):
 def names_unknown(source: str, function: str, known: set) -> set:
     """Names a filled function reads that are neither its own, nor its module's, nor builtins."""
     node = function_node(ast.parse(source), function)
-    own = {a.arg for a in node.args.args + node.args.kwonlyargs} | {
+    signature = node.args
+    own = {a.arg for a in [*signature.posonlyargs, *signature.args, *signature.kwonlyargs, signature.vararg,
+                           signature.kwarg] if a is not None} | {
         n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     read = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     return read - own - known - set(dir(builtins))
