@@ -47,7 +47,7 @@ def imports(rel: str) -> set[str]:
 @pytest.mark.single_process
 def test_every_file_is_at_most_300_lines_demo_included():
     long = {f: n for f in files() if (n := sum(1 for _ in open(os.path.join(PACKAGE, f)))) > 300}
-    assert not long, f"over the house budget of 300 lines (split the concept in two, or move support to the kit): {long}"
+    assert not long, f"over the house budget of 300 lines (split the concept in two, or move support out): {long}"
 
 
 @pytest.mark.single_process
@@ -60,14 +60,119 @@ def test_every_concept_opens_with_its_docstring_and_ends_with_a_demo():
         assert 'if __name__ == "__main__":' in text, f"{f}: no demo"
 
 
+def concepts() -> list[str]:
+    """The concept files: mini_dist/*.py, not the kit, bench/ or questions/ (they live in folders)."""
+    return [f for f in files() if os.sep not in f and not f.startswith("_")]
+
+
+def above_the_demo(rel: str) -> int:
+    """How many lines of a concept file come before its demo marker (all of them if it has none)."""
+    lines = open(os.path.join(PACKAGE, rel)).read().splitlines()
+    return lines.index(MARKER) if MARKER in lines else len(lines)
+
+
 @pytest.mark.single_process
-def test_the_kit_imports_no_concept_and_no_concept_imports_bench():
+def test_the_kit_imports_no_concept_and_no_concept_imports_bench_or_questions():
     for f in files():
         mods = imports(f)
         if f.startswith("kit" + os.sep):
             assert all(m.startswith("kit") for m in mods), f"{f} (the kit) imports a concept: {mods}"
-        elif not f.startswith("bench" + os.sep):
-            assert not any(m == "bench" or m.startswith("bench.") for m in mods), f"{f} imports bench/: {mods}"
+        elif not f.startswith(("bench" + os.sep, "questions" + os.sep)):
+            above = {m for m in mods if m.split(".")[0] in ("bench", "questions")}
+            assert not above, f"{f} imports {above}: a concept imports the kit and the concepts below it only"
+
+
+MARKER = "# ----------------------------------------------------------------------------- demo"
+IDEA_LINES = 200  # docstring, imports and the algorithm: what a learner reads as the concept
+DEMO_LINES = 80   # the marker, the command line and the demo
+
+
+@pytest.mark.parametrize("rel", concepts())
+@pytest.mark.single_process
+def test_every_concept_is_its_idea_in_200_lines_then_its_demo_in_80(rel):
+    lines = open(os.path.join(PACKAGE, rel)).read().splitlines()
+    assert lines.count(MARKER) == 1, f"{rel}: the demo starts at one line, exactly {MARKER!r}"
+    idea = lines.index(MARKER)
+    demo = len(lines) - idea
+    assert idea <= IDEA_LINES, (f"{rel}: {idea} lines above the demo marker, over {IDEA_LINES}: move a figure that "
+                                f"answers a question to mini_dist/questions/, or split the file into two concepts")
+    assert demo <= DEMO_LINES, f"{rel}: the demo has {demo} lines, over {DEMO_LINES}: move its measuring above"
+
+
+def packed(tree: ast.AST) -> list[str]:
+    """The lines of a module that were packed to save lines: three names assigned from a tuple on one line,
+    a lambda given a name, a list multiplied by a condition (`[x] * (cond)`)."""
+    found = []
+    conditions = (ast.Compare, ast.BoolOp, ast.UnaryOp)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda):
+            found.append(f"line {node.lineno}: a named lambda (write a function)")
+        elif (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple)
+              and isinstance(node.value, ast.Tuple) and len(node.targets[0].elts) >= 3):
+            found.append(f"line {node.lineno}: {len(node.targets[0].elts)} names from one tuple (one per line)")
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            for side, other in ((node.left, node.right), (node.right, node.left)):
+                if isinstance(side, (ast.List, ast.Tuple)) and isinstance(other, conditions):
+                    found.append(f"line {node.lineno}: a list multiplied by a condition (write the if)")
+    return found
+
+
+@pytest.mark.single_process
+def test_nothing_is_packed_to_fit_a_budget():
+    found = {f: packed(ast.parse(open(os.path.join(PACKAGE, f)).read())) for f in files()}
+    found = {f: lines for f, lines in found.items() if lines}
+    assert not found, f"lines packed to save space: {found}"
+
+
+def test_the_packing_check_sees_each_kind_of_packing():
+    sources = ["a, b, c = 1, 2, 3", "square = lambda x: x * x", "args = [\"-x\"] * (not every)", "n = [1] * (k > 0)"]
+    for source in sources:
+        assert packed(ast.parse(source)), source
+    assert not packed(ast.parse("a, b = 1, 2\nq, k, v = qkv.chunk(3)\nxs = [0] * n")), "unpacking is not packing"
+
+
+def top_level_names(tree: ast.Module) -> dict[str, int]:
+    """Every name a module defines at its top level, with the line it is defined on (the first definition)."""
+    lines = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [(a.asname or a.name).split(".")[0] for a in node.names]
+        else:
+            continue
+        for name in names:
+            lines.setdefault(name, node.lineno)
+    return lines
+
+
+@pytest.mark.single_process
+def test_no_concept_imports_a_name_from_another_concepts_demo():
+    """A concept builds on what another concept teaches (above its marker), never on its demo's helpers."""
+    idea = {}
+    for rel in concepts():
+        tree = ast.parse(open(os.path.join(PACKAGE, rel)).read())
+        idea[module_name(rel)] = {n for n, line in top_level_names(tree).items() if line <= above_the_demo(rel)}
+    wrong = []
+    for rel in concepts():
+        tree = ast.parse(open(os.path.join(PACKAGE, rel)).read())
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mini_dist."):
+                source = node.module[len("mini_dist."):]
+                if source in idea:
+                    wrong += [f"{rel} imports {source}.{a.name}" for a in node.names if a.name not in idea[source]]
+            if isinstance(node, ast.ImportFrom) and node.module == "mini_dist":
+                aliases.update({a.asname or a.name: a.name for a in node.names if a.name in idea})
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr not in idea[aliases[node.value.id]]):
+                wrong.append(f"{rel} uses {aliases[node.value.id]}.{node.attr}")
+    assert not wrong, f"names from another concept's demo section (move them above its marker, or to the kit): " \
+                      f"{sorted(set(wrong))}"
 
 
 @pytest.mark.single_process

@@ -220,7 +220,8 @@ def judged(results, which, op, dtype, blocks) -> str | None:
 @settings(max_examples=10)
 @given(world=st.integers(1, 5), shape=shapes, data=st.data(), seed=st.integers(0, 10**6))
 def test_textbook_ring_all_reduce_leaves_every_rank_the_reduction_of_every_ranks_tensor(op, world, shape, data, seed):
-    """ring_all_reduce (the textbook ring): every rank holds the same result, op over all ranks (floats: within N-1 roundings)
+    """ring_all_reduce (the textbook ring): every rank holds the same result, op over all ranks (floats: within
+    N-1 roundings)
 
     Exact for integers, max and min; a float sum within gamma_(N-1) * sum|x_i| of the exact one, whatever order
     the ring adds in (tests/ring_exercise.py); every rank the same bits."""

@@ -65,7 +65,7 @@ def round_trip_worker(shapes, stage, stage_after, opt_name, hp, half, to, broadc
        t1=st.integers(1, 3), t2=st.integers(1, 2))
 def test_consolidated_state_dict_round_trip_continues_exactly_as_if_never_stopped(
         world, shapes, stage, stage_after, opt, half, data, broadcast, grouped, t1, t2):
-    assume(any(len(s) > 0 for s in shapes))  # all-0-dim models are refused by load_consolidated_state_dict (test_zero.py)
+    assume(any(len(s) > 0 for s in shapes))  # all-0-dim models: refused by load_consolidated_state_dict (test_zero)
     to = data.draw(st.one_of(st.none(), st.integers(0, world - 1)))  # None: consolidated on every rank
     # Bit for bit: the same operations on the same numbers (and every stage gives identical bits, so the
     # state saved by one stage may be resumed by another)

@@ -34,8 +34,8 @@ class Toy(torch.nn.Module):
     def __init__(self, shapes, dtype):
         super().__init__()
         g = torch.Generator().manual_seed(0)  # the same initial model on every rank
-        draw = lambda s: torch.randn(s, generator=g, dtype=dtype)  # cpu: the same numbers everywhere, moved below
-        self.ps = torch.nn.ParameterList(torch.nn.Parameter(draw(s)) for s in shapes)
+        self.ps = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in shapes)  # cpu: moved below
         self.frozen = torch.nn.Parameter(torch.randn(3, generator=g, dtype=dtype), requires_grad=False)  # cpu: too
         self.to(device())
 

@@ -37,7 +37,8 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        return (self.target is None or self.ratio <= self.target) and (self.limit_s is None or self.ours <= self.limit_s)
+        within_target = self.target is None or self.ratio <= self.target
+        return within_target and (self.limit_s is None or self.ours <= self.limit_s)
 
 
 def compare(name: str, ours, native, repeats: int, target: float | None, warmup: int = 1, note: str = "",

@@ -89,8 +89,12 @@ def demo_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--trace-torch", action="store_true", default=os.environ.get("MINI_DIST_TRACE_TORCH") == "1",
                         help="with --trace: torch.profiler's events too (on by default under NCCL)")
     if env_rank() != 0:
-        parser._print_message = lambda message, file=None: None
+        parser._print_message = _say_nothing
     return parser
+
+
+def _say_nothing(message, file=None) -> None:
+    """argparse's printer on every rank but 0: help and errors appear once."""
 
 
 def main(parser: argparse.ArgumentParser, demo, argv=None) -> int:

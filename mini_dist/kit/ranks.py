@@ -77,9 +77,13 @@ class Pool:
     def __init__(self, world: int, backend: str, preload=(), env=None, grace_s: float = GRACE_S):
         """env: the ranks' environment (MINI_DIST_TIMEOUT in it replaces MINI_DIST_RANK_TIMEOUT); grace_s: how
         long the others may answer once one rank failed."""
-        self.world, self.backend, self.preload, self.env = world, backend, list(preload), dict(env or {})
+        self.world = world
+        self.backend = backend
+        self.preload = list(preload)
+        self.env = dict(env or {})
         self.grace_s = grace_s
-        self.procs, self.conns = [], []
+        self.procs = []
+        self.conns = []
         self.start()
 
     def start(self) -> None:
