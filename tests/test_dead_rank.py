@@ -10,7 +10,7 @@ The death is injected by a watcher of the wire's LEDGER, which sees every messag
 about to be posted (kit/wire.py): the victim ends at its k-th. The ranks are a pool of our own, with a short
 timeout (a rank that raised stays alive and silent: the others wait for it until then), restarted after each
 death. The hypothesis search runs under -m slow (CI); a few fixed cases run every time, and torchrun's summary
-and ./run.sh's last line are checked on the issue's own run (FSDP, three ranks, rank 2 gone mid-forward).
+and ./run.sh's last line are checked on one run of FSDP (three ranks, rank 2 gone mid-forward).
 """
 import os
 import re
@@ -318,7 +318,7 @@ def test_torchruns_summary_points_at_the_rank_that_died(how):
 
 @pytest.mark.slow
 def test_run_shs_last_line_names_the_rank_that_died(tmp_path):
-    """./run.sh demo in a copy of its directory, whose mini_dist/fsdp.py stands for the issue's run."""
+    """./run.sh demo in a copy of its directory, whose mini_dist/fsdp.py ends rank 2 mid-forward."""
     (tmp_path / "mini_dist").mkdir()
     shutil.copy(os.path.join(ROOT, "run.sh"), tmp_path / "run.sh")
     (tmp_path / "mini_dist" / "fsdp.py").write_text(f"import runpy\nrunpy.run_path({LEAVE!r}, run_name='__main__')\n")

@@ -1,8 +1,13 @@
 """The house holds its shape: files a learner can read in one sitting, a kit below the concepts, no circles.
 
 - every file in mini_dist/ (kit and bench included) is at most 300 lines, demo included;
-- every concept file starts with a docstring and ends with a demo runnable under torchrun;
-- the kit imports no concept; no concept imports bench/; no import circle among the modules;
+- every concept file starts with a docstring and ends with a demo runnable under torchrun, the demo after one
+  marker line spelled the same everywhere: at most 200 lines of idea above it, at most 80 of demo below;
+- nothing anywhere in mini_dist/ is packed to fit (several names from one tuple, named lambdas, statements
+  sharing a line, list-times-condition tricks);
+- the kit imports no concept; no concept imports bench/ or questions/, nor a name from another concept's demo;
+  no import circle among the modules;
+- the text speaks to learners about distributed training, never about how the work was commissioned;
 - the one line that puts the repo on sys.path stays once per file, without a wall of `noqa: E402`;
 - the README stays at most 265 lines (a table row per module, and what every part of the tour promises);
 - every `torchrun ... mini_dist/...py` written in the source or the README names a file that exists.
@@ -221,3 +226,17 @@ def test_every_torchrun_command_in_the_source_and_the_readme_names_a_file_that_e
     missing = sorted(f"{where}: {file}" for where, file in named
                      if file != PLACEHOLDER and not os.path.exists(os.path.join(ROOT, file)))
     assert named and not missing, f"torchrun commands naming files that do not exist (moved into the kit?): {missing}"
+
+
+COMMISSIONED = re.compile(r"\b(the issue|issue's|interview notes|target of the issue)\b", re.IGNORECASE)
+
+
+@pytest.mark.single_process
+def test_the_text_speaks_about_training_never_about_how_it_was_commissioned():
+    texts = [os.path.join(path, name) for top in ("mini_dist", "tests") for path, _, names in
+             os.walk(os.path.join(ROOT, top)) for name in names if name.endswith((".py", ".md"))]
+    texts += [os.path.join(ROOT, name) for name in ("README.md", "run.sh", os.path.join(".ci", "run"))]
+    found = [f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()[:80]}" for path in texts
+             for n, line in enumerate(open(path), 1) if COMMISSIONED.search(line) and path != __file__]
+    assert not found, "text about how the work was asked for, not about training (cite papers or PyTorch):\n" + \
+        "\n".join(found)
