@@ -80,11 +80,10 @@ def arrived(order: list, launches: list, i: int, p: torch.Tensor) -> None:
     order.append((i, len(launches)))
 
 
-def where_raised(e: BaseException) -> str:
-    """The last line of reducer.py the error passed through (the learner's copy in a check)."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if os.path.basename(f.filename) == "reducer.py"]
-    return f" (at reducer.py:{frames[-1].lineno} in {frames[-1].name}: {frames[-1].line})" if frames else ""
+def where_raised(e: BaseException, file: str = "reducer.py") -> str:
+    """The last line of the module's file the error passed through (the learner's copy in a check)."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.basename(f.filename) == file]
+    return f" (at {file}:{frames[-1].lineno} in {frames[-1].name}: {frames[-1].line})" if frames else ""
 
 
 def synced_backwards(kind: str, spec: dict, seed: int, hook, collective: str, backwards: int = 2) -> dict:
