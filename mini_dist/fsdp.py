@@ -20,16 +20,15 @@ per step, fp32 Adam, K ranks, N parameters (N' = the units' padded sizes K*S, su
 parameters' bytes alive). Naive (prefetch=False): a unit's all-gather starts when it is needed; prefetch=True
 starts the next unit's (async_op) before this one computes, forward and backward: hidden, for one unit more.
 
-The module keeps its parameters under their own names: between computations each is this rank's slice, a
-1-D nn.Parameter of at most S elements (maybe 0) with its own .grad; while its unit computes, a view of the
-gathered vector in its shape (FSDP1's use_orig_params=True; FSDP2 holds the slices as DTensors).
-model.named_parameters() is model.module's, in its order: optimizers, clipping and loops work unchanged.
-model.state_dict() has the module's keys with whole tensors on every rank; load_state_dict() takes one of
-any world size (FSDP1's FULL_STATE_DICT; the sharded kind too: fsdp_state.py). ignored_params (say, the
-norms) stay whole and their gradients are averaged at the end of backward, as DDP does; torch's
-fully_shard(ignored_params=...) leaves them each rank's own, for the user to reduce. param_dtype=
-torch.bfloat16 gathers and computes in half while shards and gradients keep the parameters' dtype; a policy
-per unit, wrap={Block: torch.bfloat16, nn.LayerNorm: torch.float32}, keeps norms in fp32.
+The module keeps its parameters under their own names: between computations each is this rank's slice, a 1-D
+nn.Parameter of at most S elements (maybe 0) with its own .grad; while its unit computes, a view of the gathered
+vector in its shape (FSDP1's use_orig_params=True; FSDP2 holds the slices as DTensors). model.named_parameters() is
+model.module's, in its order: optimizers, clipping and loops work unchanged. model.state_dict() has the module's
+keys with whole tensors on every rank; load_state_dict() takes one of any world size (FSDP1's FULL_STATE_DICT; the
+sharded kind too: fsdp_state.py). ignored_params (say, the norms) stay whole and their gradients are averaged at the
+end of backward, as DDP does; torch's fully_shard(ignored_params=...) leaves them each rank's own, for the user to
+reduce. param_dtype= torch.bfloat16 gathers and computes in half while shards and gradients keep the parameters'
+dtype; a policy per unit, wrap={Block: torch.bfloat16, nn.LayerNorm: torch.float32}, keeps norms in fp32.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/fsdp.py [--depth 6 --width 256]
 
@@ -83,7 +82,7 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
 
     def _pre_forward(self, unit, module, args, kwargs):
         """Forward pre-hook: the unit's whole parameters must exist before it computes."""
-        # exercise: gather the unit (_before_compute, in forward order self.units), then attach_views()
+        # exercise: on return the module computes on the whole unit: gathered (in self.units' order), views attached
         self._before_compute(unit, "forward", self.units)
         unit.attach_views()
         # end exercise
@@ -91,20 +90,21 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
 
     def _post_forward(self, unit, module, args, output):
         """Forward hook: the module holds its slices again; the unit is freed (unless kept) till its backward."""
-        # exercise: attach_shards(); note the unit finished; free it if resharding; hook _pre_backward on outputs
+        # exercise: on return the module holds its slices again; the unit is noted finished (self._finished) and freed
+        #   when resharding, and when no backward can come (grad disabled: nothing else would free it); and autograd
+        #   will call self._pre_backward(unit) when a gradient first reaches one of the unit's outputs
         unit.attach_shards()
         self._finished.append(unit)
         if self.reshard_after_forward or not torch.is_grad_enabled():
             self._free(unit, "forward")
         needs_grad = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
         if needs_grad:  # fires when the first gradient reaches the unit's output: its backward is next
-            torch.autograd.graph.register_multi_grad_hook(needs_grad, lambda _: self._pre_backward(unit),
-                                                          mode="any")
+            torch.autograd.graph.register_multi_grad_hook(needs_grad, lambda _: self._pre_backward(unit), mode="any")
         # end exercise
 
     def _pre_backward(self, unit) -> None:
         """Before the unit's backward: dL/dx = dL/dy W needs the weights forward freed: gather them again."""
-        # exercise: gather the unit again, in backward order (the units that finished forward, reversed); attach views
+        # exercise: on return the unit is whole again (gathered, views attached), prefetching in backward's order
         self._before_compute(unit, "backward", self._finished[::-1])
         unit.attach_views()  # a checkpointed segment of the unit recomputes its forward now
         # end exercise

@@ -80,12 +80,27 @@ class Reducer:
                 b.pending = len(b.params)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         self.arrived.add(p)
+        self._ready(p)
+
+    def _ready(self, p: torch.Tensor) -> None:
+        """p's gradient is final for this backward, or it has none: fill its slot. Bucket k's last arrival is
+        when it filled: a mark for the timeline and the trace."""
+        bucket = self.slot[p][0]
+        if bucket.pending == 1:
+            trace.mark(f"bucket {bucket.k} ready", into=self.records, bucket=bucket.k)
         self._fill(p)
 
     def _fill(self, p: torch.Tensor) -> None:
         """The bucket-ready hook: p's gradient goes into its slot of its bucket (times 1/N); once the bucket
         is full, every bucket that is full goes out, in bucket order (buckets 0..k-1 before bucket k)."""
-        # exercise: copy p.grad / N into bucket.views[i]; when bucket.pending hits 0, _launch each full bucket in order
+        # exercise: p's gradient is in its slot (self.slot[p] -> bucket, i: the view bucket.views[i]) such that,
+        #   all-reduced, the bucket holds the mean over the N = self.world ranks: divided by N once, on the way in
+        #   or after the all-reduce (bucket.future, set by _launch); zeros where p.grad is None (a parameter no
+        #   backward reached); the plain gradient when a communication hook is set (self.hook: it averages).
+        #   And every bucket that can go has gone to self._launch, exactly once, in bucket order: bucket k once
+        #   it is full (bucket.pending: its gradients still to come) and buckets 0..k-1 have gone (every rank
+        #   must issue the same all-reduces in the same order; self.next_bucket: the next to go), not later, so
+        #   that it travels while backward computes the layers below. Both counts are reset as backward starts.
         bucket, i = self.slot[p]
         if p.grad is None:
             bucket.views[i].zero_()
@@ -94,8 +109,6 @@ class Reducer:
         else:  # divide on the way in, as native DDP does: a sum of N gradients then cannot overflow
             torch.mul(p.grad, 1.0 / self.world, out=bucket.views[i])
         bucket.pending -= 1
-        if bucket.pending == 0:
-            trace.mark(f"bucket {bucket.k} ready", into=self.records, bucket=bucket.k)
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
             self._launch(self.buckets[self.next_bucket])
             self.next_bucket += 1
@@ -127,7 +140,7 @@ class Reducer:
         missing = [p for p in self.params if p not in self.arrived]
         self.arrived = None
         for p in missing:  # no gradient in this backward: its no_sync sum, or zeros, keeps ranks in step
-            self._fill(p)
+            self._ready(p)
         for b in self.buckets:
             b.done.wait()
             try:

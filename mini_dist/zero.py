@@ -108,7 +108,12 @@ def zero1_step(flat: torch.Tensor, grad: torch.Tensor, step_shard, group=None, c
     """One ZeRO-1 step. flat: the parameters as one vector of K*S elements, the same on every rank; grad:
     this rank's gradient of it, divided by K; step_shard(shard, shard_grad) updates my S elements of flat
     in place, keeping optimizer state for them alone. Returns the mean gradient, whole (as DDP keeps it)."""
-    # exercise: all-reduce grad, step_shard(my slice [r*S, (r+1)*S) of flat, of grad), all-gather the slices
+    # exercise: every rank returns the mean gradient, whole (K*S elements: the sum over the K ranks of their
+    #   grad, each already divided by K), and flat ends the same on every rank: shard q (the q-th of K equal
+    #   slices of flat) moved by one step_shard call, made on rank q alone, with a view of flat's shard q (so
+    #   that the step lands in flat) and the mean gradient's shard q. Collectives: c = COLLECTIVES[collectives]
+    #   (c.all_reduce(t, group) sums t over the ranks in place, c.all_gather(flat, group) fills each slice q of
+    #   flat with rank q's). Judged exactly on integers, then against native DDP within fp64's rounding.
     c = COLLECTIVES[collectives]
     K = dist.get_world_size(group)
     r = dist.get_rank(group)

@@ -110,7 +110,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             COLLECTIVES[self.collectives].all_reduce(grad, self.group)
             self._step_own(self.flat, grad)
         elif self.stage == 1:
-            zero1_step(self.flat, grad, self._step_own, self.group, self.collectives)
+            grad = zero1_step(self.flat, grad, self._step_own, self.group, self.collectives)
         else:
             self.grad = zero2_step(self.flat, grad, self._step_own, self.group, self.collectives)
         for p, (a, b) in zip(self.params, self.partition.spans):  # ZeRO-2 keeps no full gradient

@@ -284,10 +284,9 @@ def function_node(tree, qualified: str):
 def names_unknown(source: str, function: str, known: set) -> set:
     """Names a filled function reads that are neither its own, nor its module's, nor builtins."""
     node = function_node(ast.parse(source), function)
-    signature = node.args
-    own = {a.arg for a in [*signature.posonlyargs, *signature.args, *signature.kwonlyargs, signature.vararg,
-                           signature.kwarg] if a is not None} | {
-        n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    own = {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)} | {  # its own and its inner functions' too
+        n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} | {
+        n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     read = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     return read - own - known - set(dir(builtins))
 

@@ -26,6 +26,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import fsdp_exercise
+import grading
+from fsdp_exercise import MISTAKES  # noqa: F401  (the hooks', declared beside their judge)
 from harness import BACKEND, RankFailure, device, rank_generator, run, subgroup
 from mini_dist import ring_allreduce as ring
 from mini_dist.fsdp import FullyShardedDataParallel as FSDP
@@ -99,6 +102,28 @@ def train(model, optimizer, data):
     return losses
 
 
+# ----- the hooks around a unit, the learner's exercise: what one step does to each unit
+
+
+@pytest.mark.exercise(judges=("FullyShardedDataParallel._pre_forward", "FullyShardedDataParallel._post_forward",
+                              "FullyShardedDataParallel._pre_backward"))
+@settings(max_examples=6)
+@given(world=st.integers(1, 4), width=st.integers(2, 5), hidden=st.integers(1, 6), depth=st.integers(1, 3),
+       reshard=st.booleans(), prefetch=st.booleans(), seed=st.integers(0, 10 ** 6))
+@example(world=2, width=3, hidden=4, depth=2, reshard=True, prefetch=True, seed=0)
+@example(world=3, width=3, hidden=2, depth=2, reshard=False, prefetch=False, seed=1)
+def test_each_unit_is_whole_while_it_computes_forward_and_backward_and_freed_after_when_resharding(
+        world, width, hidden, depth, reshard, prefetch, seed):
+    """each unit whole while it computes, forward and backward; freed after, when resharding or without grad
+
+    One step of a Linear -> Blocks -> Linear stack, then a forward without grad, the hooks watched: each unit's
+    module computes its forward on gathered parameters in their shapes and holds its slices after; the unit is
+    freed after forward when resharding; _pre_backward runs before each unit's backward and leaves it whole, a
+    prefetch never gathering a unit whose backward is done; a forward without grad leaves no unit gathered."""
+    wrong = fsdp_exercise.judged(run(world, fsdp_exercise.probe, width, hidden, depth, reshard, prefetch, seed))
+    assert wrong is None, wrong
+
+
 # ----- equivalence: ours == native fully_shard == one process on the full batch
 
 def train_three_ways(width, hidden, mask, tied, opt, reshard, prefetch, param_dtype=None):
@@ -146,18 +171,31 @@ def where(a: dict, b: dict) -> str:
        reshard=st.booleans(), prefetch=st.booleans())
 @example(world=2, model=(3, (2, 5), (True, True)), tied=False, opt="adam", reshard=True, prefetch=False)
 def test_fsdp_trains_like_native_fully_shard_and_like_one_process(world, model, tied, opt, reshard, prefetch):
+    """FSDP trains like native fully_shard and like one process on the full batch, within 1e-14 (fp64)
+
+    Three SGD or Adam steps of a Linear -> Blocks -> Linear stack (some Blocks units, tied outer weights): every
+    rank's losses and the parameters within FP64_ATOL of fully_shard's and of one process's (the K gradients
+    summed in another order, see the top of this file). On <= 2 ranks mini_dist's own FSDP matches fully_shard
+    bit for bit; a check notes it, it does not judge by it."""
     width, hidden, mask = model
     results = run(world, train_three_ways, width, hidden, mask, tied, opt, reshard, prefetch)
-    tol = 0.0 if world <= 2 else FP64_ATOL
+    exact = "bit-identical to fully_shard on <= 2 ranks"
+    why = "two gradients add alike in any order; another order of the other roundings may still move an ulp"
     for rank, (ours, native, *_) in enumerate(results):  # every rank's own loss, step by step
         for step, (a, b) in enumerate(zip(ours, native)):
-            assert abs(a - b) <= tol, f"rank {rank}, step {step}: loss {a!r}, fully_shard's {b!r}"
+            said = f"rank {rank}, step {step}: loss {a!r}, fully_shard's {b!r}"
+            assert abs(a - b) <= FP64_ATOL, f"{said}, more than {FP64_ATOL:g} apart"
+            grading.optional(world > 2 or a == b, exact, said, why)
     _, _, our_params, native_params, single_losses, single_params = results[0]
-    assert max_diff(our_params, native_params) <= tol, f"rank 0: parameters differ from fully_shard's at " \
-                                                       f"{where(our_params, native_params)}"
+    apart = max_diff(our_params, native_params)
+    said = f"rank 0: parameters differ from fully_shard's by {apart:.1e} at {where(our_params, native_params)}"
+    assert apart <= FP64_ATOL, said
+    grading.optional(world > 2 or apart == 0.0, exact, said, why)
     mean_losses = [sum(r[0][s] for r in results) / world for s in range(STEPS)]
-    assert max(abs(a - b) for a, b in zip(mean_losses, single_losses)) <= FP64_ATOL
-    assert max_diff(our_params, single_params) <= FP64_ATOL
+    assert max(abs(a - b) for a, b in zip(mean_losses, single_losses)) <= FP64_ATOL, \
+        f"the ranks' mean losses {mean_losses}, one process on the full batch {single_losses}"
+    assert max_diff(our_params, single_params) <= FP64_ATOL, \
+        f"rank 0: parameters differ from one process's at {where(our_params, single_params)}"
 
 
 @settings(max_examples=6)
@@ -224,7 +262,9 @@ def test_each_unit_is_gathered_twice_and_reduce_scattered_once_per_step_once_and
         wrong = {u: c for u, c in step["counts"].items() if c != (2 if reshard else 1, 1)}
         assert not wrong, f"rank {rank}: (all-gathers, reduce-scatters) per unit {wrong}, want " \
                           f"({2 if reshard else 1}, 1)"
-        assert step["eval"] == (len(step["units"]), 0)  # no_grad forward: one gather each, all freed
+        assert step["eval"] == (len(step["units"]), 0), f"rank {rank}: a forward without grad made " \
+            f"{step['eval'][0]} all-gathers for {len(step['units'])} units and left {step['eval'][1]} bytes " \
+            f"gathered, want one each and none left: no backward will free them"
 
 
 @settings(max_examples=10)
@@ -403,13 +443,20 @@ def test_the_module_holds_its_parameters_as_shard_slices_the_optimizer_steps_wit
 
     model.module.named_parameters(), model.named_parameters(), the submodules' attributes and the optimizer's
     parameters are the same tensors, in the module's order."""
-    tol = 0.0 if world <= 2 else FP64_ATOL  # two averaged gradients: the sums of the file's header
     results = run(world, named_slices_and_native_grads, *model, tied)
     for rank, (checked, native_names, same) in enumerate(results):
         assert same, f"rank {rank}: the module, the wrapper and the optimizer hold different parameters"
-        assert sorted(name for name, *_ in checked) == native_names  # the original names, each once
+        names = sorted(name for name, *_ in checked)
+        assert names == native_names, f"rank {rank}: parameters {names}, the module's own {native_names}"
         for name, same_shape, is_slice, in_shard, same_value, grad_diff in checked:
-            assert same_shape and is_slice and in_shard and same_value and grad_diff <= tol, (rank, name)
+            said = (f"rank {rank}, {name}: between steps a 1-D slice of this rank's shard {is_slice and in_shard}, "
+                    f"its whole shape kept {same_shape}, the value fully_shard's {same_value}")
+            assert same_shape and is_slice and in_shard and same_value, said
+            assert grad_diff <= FP64_ATOL, f"rank {rank}, {name}: .grad {grad_diff:.1e} from fully_shard's"
+            # two averaged gradients: the sums of the file's header
+            grading.optional(world > 2 or grad_diff == 0.0, "bit-identical to fully_shard on <= 2 ranks",
+                             f"rank {rank}, {name}: .grad {grad_diff:.1e} apart", "two gradients add alike in any "
+                             "order; another order of the other roundings may still move an ulp")
 
 
 class CheckpointedBlock(Block):
@@ -443,9 +490,18 @@ def checkpointed_units_against_fully_shard(width, hidden, reshard):
        reshard=st.booleans())
 def test_a_unit_recomputed_in_backward_by_activation_checkpointing_trains_like_fully_shard(world, width, hidden,
                                                                                           reshard):
-    tol = 0.0 if world <= 2 else FP64_ATOL
-    for ours, native, diff in run(world, checkpointed_units_against_fully_shard, width, tuple(hidden), reshard):
-        assert max(abs(a - b) for a, b in zip(ours, native)) <= tol and diff <= tol
+    """a unit recomputed in backward by activation checkpointing trains like fully_shard, within 1e-14
+
+    Every Block checkpointed: its forward runs again inside its backward, on the weights _pre_backward
+    gathered; losses and parameters after three Adam steps within FP64_ATOL of fully_shard's."""
+    for rank, (ours, native, diff) in enumerate(run(world, checkpointed_units_against_fully_shard, width,
+                                                    tuple(hidden), reshard)):
+        apart = max(abs(a - b) for a, b in zip(ours, native))
+        said = f"rank {rank}: losses {ours}, fully_shard's {native}; parameters {diff:.1e} apart"
+        assert apart <= FP64_ATOL and diff <= FP64_ATOL, said
+        grading.optional(world > 2 or apart == diff == 0.0, "bit-identical to fully_shard on <= 2 ranks", said,
+                         "two gradients add alike in any order; another order of the other roundings may still move "
+                         "an ulp")
 
 
 # ----- parameters left out of sharding (ignored_params): whole on every rank, gradients averaged

@@ -1,0 +1,120 @@
+"""ZeRO-1's step (zero): hints, solutions that must pass, and classic mistakes that must fail, named.
+
+Bodies fill the blank of exercises/zero.py (kit/exercise.fill), keyed by the function they complete;
+tests/zero_exercise.py's MISTAKES names what each wrong one gets wrong.
+"""
+HINTS = {
+    "zero1_step": [
+        "ZeRO-1 is DDP's step with the optimizer's work split K ways: every rank still needs the mean gradient, "
+        "as in DDP, but steps only the shard it owns. The other K-1 shards are stepped elsewhere: what brings "
+        "them to this rank afterwards?",
+        "Rank r owns the r-th of the K equal slices of flat (S = flat.numel() // K elements). Slicing flat gives a "
+        "view, so step_shard's update lands in flat; hand it the same slice of the summed gradient.",
+        "c.all_reduce(grad, group), then step_shard on slice r of flat and of grad, then c.all_gather(flat, "
+        "group), and return grad.",
+    ],
+}
+
+RIGHT = {
+    "all-reduce, step my chunk, all-gather (chunk: the same slices)": {
+        "zero1_step": """
+            c = COLLECTIVES[collectives]
+            K = dist.get_world_size(group)
+            r = dist.get_rank(group)
+            c.all_reduce(grad, group)
+            step_shard(flat.chunk(K)[r], grad.chunk(K)[r])
+            c.all_gather(flat, group)
+            return grad
+        """,
+    },
+    "reduce-scatter the gradient, step, then all-gather both the gradient and the parameters": {
+        "zero1_step": """
+            c = COLLECTIVES[collectives]
+            K = dist.get_world_size(group)
+            r = dist.get_rank(group)
+            S = flat.numel() // K
+            shard = c.reduce_scatter(grad.clone(), group)
+            step_shard(flat.narrow(0, r * S, S), shard)
+            mean = torch.zeros_like(grad)
+            mean[r * S:(r + 1) * S] = shard
+            c.all_gather(mean, group)
+            c.all_gather(flat, group)
+            return mean
+        """,
+    },
+}
+
+SETUP = """
+            c = COLLECTIVES[collectives]
+            K = dist.get_world_size(group)
+            r = dist.get_rank(group)
+            S = flat.numel() // K
+            mine = slice(r * S, (r + 1) * S)
+"""
+
+WRONG = {
+    "no all-reduce: each rank steps its shard with its own gradient": ("gradient not averaged", {
+        "zero1_step": SETUP + """
+            step_shard(flat[mine], grad[mine])
+            c.all_gather(flat, group)
+            return grad
+        """,
+    }),
+    "the all-reduced gradient divided by K again": ("divided twice", {
+        "zero1_step": SETUP + """
+            c.all_reduce(grad, group)
+            grad /= K
+            step_shard(flat[mine], grad[mine])
+            c.all_gather(flat, group)
+            return grad
+        """,
+    }),
+    "every rank steps the whole vector": ("every element stepped", {
+        "zero1_step": SETUP + """
+            c.all_reduce(grad, group)
+            step_shard(flat, grad)
+            c.all_gather(flat, group)
+            return grad
+        """,
+    }),
+    "rank r steps the shard of rank r + 1": ("the wrong shard", {
+        "zero1_step": SETUP + """
+            c.all_reduce(grad, group)
+            theirs = slice(((r + 1) % K) * S, ((r + 1) % K + 1) * S)
+            step_shard(flat[theirs], grad[theirs])
+            c.all_gather(flat, group)
+            return grad
+        """,
+    }),
+    "my shard stepped with the next shard's gradient": ("the gradient of another shard", {
+        "zero1_step": SETUP + """
+            c.all_reduce(grad, group)
+            step_shard(flat[mine], grad.roll(-S)[mine])
+            c.all_gather(flat, group)
+            return grad
+        """,
+    }),
+    "the shard cloned before the step": ("stepped a copy", {
+        "zero1_step": SETUP + """
+            c.all_reduce(grad, group)
+            step_shard(flat[mine].clone(), grad[mine])
+            c.all_gather(flat, group)
+            return grad
+        """,
+    }),
+    "no all-gather": ("not gathered after the step", {
+        "zero1_step": SETUP + """
+            c.all_reduce(grad, group)
+            step_shard(flat[mine], grad[mine])
+            return grad
+        """,
+    }),
+    "the all-gather before the step": ("not gathered after the step", {
+        "zero1_step": SETUP + """
+            c.all_reduce(grad, group)
+            c.all_gather(flat, group)
+            step_shard(flat[mine], grad[mine])
+            return grad
+        """,
+    }),
+}
