@@ -65,11 +65,16 @@ def smallest_case(notes: list[str]) -> str | None:
                                                   "Falsifying explicit example", "Failing explicit example"))), None)
     if case is None:
         return None
-    args = " ".join(filter(None, (re.sub(r"\s+#.*$", "", line).strip() for line in case.splitlines()[1:-1])))
-    args = re.sub(r"([(\[{]) ", r"\1", args.rstrip(","))  # a value hypothesis wrote on several lines, on one
-    args = re.sub(r", ([)\]}])", r"\1", re.sub(r"\(([^(),]*), \)", r"(\1,)", args))
-    draws = [re.sub(r"\s+#.*$", "", n).strip() for n in notes if re.match(r"Draw \d+", n)]
+    args = one_line(case.splitlines()[1:-1]).rstrip(",")
+    draws = [one_line(n.splitlines()) for n in notes if re.match(r"Draw \d+", n)]
     return args + ("; " + "; ".join(draws) if draws else "")
+
+
+def one_line(lines: list[str]) -> str:
+    """Lines of a value hypothesis wrote on several, on one, without their comments."""
+    text = " ".join(filter(None, (re.sub(r"\s+#.*$", "", line).strip() for line in lines)))
+    text = re.sub(r"([(\[{]) ", r"\1", text)
+    return re.sub(r",? ([)\]}])", r"\1", re.sub(r"\(([^(),]*), \)", r"(\1,)", text))
 
 
 def rank_failure(text: str) -> tuple[str, list[str], int | None]:

@@ -221,8 +221,9 @@ def test_the_report_is_never_cut_and_its_smallest_case_has_no_comments(monkeypat
     lines, _ = grading.failure_lines("AssertionError", "wrong", [  # a value hypothesis wrote over several lines
         "Failing test case: test_x(\n    # The test always failed when commented parts were varied together.\n"
         "    T_world=(\n        2,\n        2,  # or any other generated value\n    ),\n    one=(\n        3,\n"
-        "    ),\n    b=1,  # or any other generated value\n)"])
-    assert "smallest case: T_world=(2, 2), one=(3,), b=1" in " ".join(" ".join(lines).split())
+        "    ),\n    b=1,  # or any other generated value\n)", "Draw 1 (parts): (\n    1,  # or any other generated "
+        "value\n    2,\n)"])
+    assert "smallest case: T_world=(2, 2), one=(3,), b=1; Draw 1 (parts): (1, 2)" in " ".join(" ".join(lines).split())
 
 
 @pytest.mark.single_process
