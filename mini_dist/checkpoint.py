@@ -6,7 +6,7 @@ crash at any moment must not corrupt what is on disk, and the checkpoint must lo
 ranks or in another layout. A rank's state is boxes of global tensors (Sharded: mini_dist/checkpoint_plan.py),
 replicated tensors (the same on every rank: written once, by rank 0) and Python literals (in the manifest).
 
-save   every rank writes its boxes' raw bytes to rank_0000r.bin (temporary name, flush, fsync, rename) and
+save   every rank writes its boxes' raw bytes to rank_0000r.bin, atomically (old file or whole new one) and
        sends rank 0 a record per box: name, global shape, dtype, offsets, lengths, byte range, crc32. Rank 0
        checks that the boxes hold every element exactly once and writes manifest.json the same way, LAST:
        a checkpoint without a manifest does not exist, so a crash at any moment leaves the last one intact.
@@ -44,8 +44,13 @@ from mini_dist.manifest import DTYPES, MANIFEST, VERSION, CheckpointError, liter
 # ----- save: each rank's boxes to its own file, then the manifest, last
 
 def write_atomically(path: str, chunks) -> None:
-    """Temporary name, write, flush, fsync, rename: whoever opens `path` sees the old file or the whole new one."""
-    # exercise: write the chunks to path + ".tmp", flush and fsync it, then os.replace it onto path
+    """`path` holds `chunks` (bytes-like), one after another; whoever opens it, even after a crash, finds the old
+    file or the whole new one."""
+    # exercise: when this returns, path holds the chunks one after another. At every moment, and after a crash
+    #   (the power lost) at any moment, whoever opens path finds the old file whole or the new one whole: never
+    #   a part, never no file. A chunk that raises leaves the old file, and its error goes on to the caller.
+    #   Judged under POSIX's crash model: a file's bytes reach the disk only once it is synced (os.fsync); a
+    #   rename onto a name (os.replace) is atomic, and may reach the disk before bytes never synced
     with open(path + ".tmp", "wb") as f:
         for chunk in chunks:
             f.write(chunk)

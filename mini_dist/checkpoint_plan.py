@@ -11,9 +11,8 @@ along a dim, DDP not at all), so a checkpoint keeps no layout: it keeps boxes. A
 
 Saved by K ranks, the boxes of each tensor must hold each of its elements exactly once (check_box,
 check_tiling): a gap would load whatever the memory held, an overlap two versions of one element. Loaded by
-K' ranks in another layout, each box a rank wants is filled from every saved box it overlaps: their shared
-box (lo, lengths) is copied from its index `within` the saved box to its index within the wanted one. Ten
-rows saved by K = 4 ranks, wanted by K' = 3:
+K' ranks in another layout, each box a rank wants is filled from the saved boxes it shares elements with,
+and reads no other. Ten rows saved by K = 4 ranks, wanted by K' = 3:
 
         row       0 1 2 3 4 5 6 7 8 9
         saved     0 0 1 1 1 2 2 3 3 3     rank 1 wants rows 3-5: rows 3-4 of saved box 1, row 5 of box 2
@@ -83,8 +82,13 @@ def plan(manifest: dict, state: dict) -> list:
             raise ValueError(f"{name!r}: the checkpoint holds {saved or 'no such tensor'}, this rank wants "
                              f"{list(value.shape)} {dtype_name(value.dtype)}")
         for offsets, data in value.boxes:
-            # exercise: each saved piece of `name` that the box overlaps: append (piece, its index within the
-            # saved box, the view of data it fills); refuse the box if the pieces do not hold all of it
+            # exercise: for this wanted box (offsets, data) of `name`, append to reads one (piece, index,
+            #   destination) for each saved piece of `name` that shares at least one element with the box, and
+            #   for no other: the saved box's elements at `index` (counted from its own first element) are those
+            #   `destination`, a view of data, must hold (checkpoint.load copies destination.copy_(saved[index])).
+            #   The saved pieces never share an element (check_tiling). If they do not hold every element of the
+            #   box, raise ValueError(f"{name!r}: the box at {list(offsets)} of {list(data.shape)} is not all in
+            #   the checkpoint ..."). Tools: overlap (mini_dist/manifest.py), within
             found = 0
             for piece in (p for p in manifest["pieces"] if p["name"] == name):
                 shared = overlap(offsets, data.shape, piece["offsets"], piece["lengths"])

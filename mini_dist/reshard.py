@@ -10,11 +10,10 @@ per-element state (Adam's exp_avg, exp_avg_sq; fp32 master weights) -- cut diffe
     FSDP        the same, unit by unit (flat_param.Slice)                               flat_shard
     TP          slice r of T along the layout's dim ([q; k; v] part by part)            dim_shard
 
-A flat range [a, b) of a row-major tensor is at most 2·ndim - 1 boxes: a partial first row, whole rows, a
-partial last row (each partial row cut the same way one dim down). Saved under one naming,
-model.<parameter> and optim.state.<parameter>.<key> (a plain optimizer's names), with scalars (Adam's
-step) and the param groups' settings once, any layout's state is one set of global tensors, and a load
-intersects boxes (checkpoint_plan.plan). FSDP at K = 4 -> K' = 3, one parameter flattened:
+A flat range [a, b) of a row-major tensor is at most 2·ndim - 1 contiguous boxes (flat_boxes). Saved under one
+naming, model.<parameter> and optim.state.<parameter>.<key> (a plain optimizer's names), with scalars (Adam's
+step) and the param groups' settings once, any layout's state is one set of global tensors, and a load intersects
+boxes (checkpoint_plan.plan). FSDP at K = 4 -> K' = 3, one parameter flattened:
 
         saved   |--rank 0--|--rank 1--|--rank 2--|--rank 3--|
         wanted  |---rank 0----|----rank 1----|----rank 2----|     rank 1 reads the boxes of saved 1 and 2
@@ -51,9 +50,9 @@ from mini_dist.zero_optimizer import settings
 
 
 def flat_boxes(shape, a: int, b: int) -> list:
-    """Elements [a, b) of a row-major tensor as boxes (offsets, lengths), in order, each contiguous:
-    a partial first row, whole rows, a partial last row, each partial row cut the same way one dim down."""
-    # exercise: the boxes of [a, b): recurse one dim down for a partial first and last row, whole rows between
+    """Elements [a, b) of a row-major tensor as at most 2·ndim - 1 contiguous boxes (offsets, lengths), in order."""
+    # exercise: boxes (offsets, lengths), one of each per dim, inside the tensor, each contiguous in row-major order,
+    #   holding [a, b) in order, each element once ([] if a == b; [((), ())] for 0-dim); at most 2·ndim - 1 hold any
     if a >= b:
         return []
     if not shape:
@@ -81,9 +80,10 @@ def flat_shard(data: torch.Tensor, shape, start: int) -> Sharded:
 
 
 def dim_shard(local: torch.Tensor, dim: int, index: int, count: int, parts: int = 1) -> Sharded:
-    """Slice `index` of `count` equal slices along `dim` (a tensor-parallel weight); with `parts`, a stacked
-    [W_q; W_k; W_v] cut part by part, the rank holding slice `index` of each part."""
-    # exercise: the global shape, and one box per part: part j's slice `index` starts at row (j*count + index)*m
+    """Slice `index` of `count` along `dim` of each of `parts` stacked parts ([W_q; W_k; W_v]): a TP weight."""
+    # exercise: return Sharded(global shape, local.dtype, boxes). The global tensor is `parts` equal parts along
+    #   dim, each cut in `count` equal slices; local stacks slice `index` of each part, in part order. Each box's
+    #   data is a view of local, its offsets where that data sits in the global tensor; each element of local once
     m = local.shape[dim] // parts  # this rank's rows of one part
     shape = list(local.shape)
     shape[dim] *= count

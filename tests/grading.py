@@ -65,11 +65,16 @@ def smallest_case(notes: list[str]) -> str | None:
                                                   "Falsifying explicit example", "Failing explicit example"))), None)
     if case is None:
         return None
-    args = " ".join(filter(None, (re.sub(r"\s+#.*$", "", line).strip() for line in case.splitlines()[1:-1])))
-    args = re.sub(r"([(\[{]) ", r"\1", args.rstrip(","))  # a value hypothesis wrote on several lines, on one
-    args = re.sub(r", ([)\]}])", r"\1", re.sub(r"\(([^(),]*), \)", r"(\1,)", args))
-    draws = [re.sub(r"\s+#.*$", "", n).strip() for n in notes if re.match(r"Draw \d+", n)]
+    args = one_line(case.splitlines()[1:-1]).rstrip(",")
+    draws = [one_line(n.splitlines()) for n in notes if re.match(r"Draw \d+", n)]
     return args + ("; " + "; ".join(draws) if draws else "")
+
+
+def one_line(lines: list[str]) -> str:
+    """Lines of a value hypothesis wrote on several, on one, without their comments."""
+    text = " ".join(filter(None, (re.sub(r"\s+#.*$", "", line).strip() for line in lines)))
+    text = re.sub(r"([(\[{]) ", r"\1", text)
+    return re.sub(r",? ([)\]}])", r"\1", re.sub(r"\(([^(),]*), \)", r"(\1,)", text))
 
 
 def rank_failure(text: str) -> tuple[str, list[str], int | None]:
@@ -122,17 +127,20 @@ def failure_lines(kind: str, message: str, notes: list[str]) -> tuple[list[str],
 
 
 def region_of(message: str, at: int | None, judges: tuple) -> str | None:
-    """The function a failure points at: a named mistake's, a blank's, the learner's line's, else the first judged."""
+    """The function a failure points at: a named mistake's, a blank's, the learner's line's, else the first judged
+    that the learner's file defines (a property may judge functions of two exercises: checkpoint's and reshard's)."""
     named = re.search(r"mistake in (\S+): ", message) or re.search(rf"{MODULE}: write ([\w.]+): ", message)
     if named:
         return named.group(1)
-    if at is not None:
-        from mini_dist.kit.blanks import function_at
-        try:
-            return function_at(open(EXERCISE).read(), at)
-        except SyntaxError:
-            return None
-    return judges[0] if judges else None
+    from mini_dist.kit.blanks import function_at, functions
+    try:
+        source = open(EXERCISE).read()
+        if at is not None:
+            return function_at(source, at)
+        defined = {name for _, _, name in functions(source)}
+    except SyntaxError:
+        return None
+    return next((f for f in judges if f in defined), judges[0] if judges else None)
 
 
 # ----- the plugin's hooks

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import checkpoint_exercise
+from checkpoint_exercise import MISTAKES  # noqa: F401  (the exercise's, declared beside its judge)
 from harness import BACKEND, RankFailure, command, device, run
 from mini_dist import checkpoint, recovery, reshard, reshard_zero
 from mini_dist.checkpoint_plan import Sharded
@@ -112,11 +114,37 @@ specs = st.lists(st.tuples(st.lists(st.integers(1, 7), min_size=0, max_size=3).m
                            st.sampled_from(sorted(DTYPES)), layouts, layouts), min_size=1, max_size=4)
 
 
-@pytest.mark.exercise
+# ----- the learner's exercise (./run.sh check checkpoint): the atomic write, judged under a crash model
+
+@pytest.mark.exercise(judges=("write_atomically",))
+@pytest.mark.single_process
+def test_whoever_opens_the_file_finds_the_old_one_or_the_whole_new_one_even_after_a_crash(tmp_path, monkeypatch):
+    """write_atomically: path holds the chunks when it returns; a crash at any moment (or a chunk that raises)
+    leaves the old file whole or the new one whole, never a part
+
+    Judged from the calls the code makes (tests/checkpoint_exercise.py): a crash keeps only the bytes of files
+    fsync'd before it, and a rename is atomic; whatever the temporary name or kind of file, the file renamed
+    onto path must have been synced with all its bytes before the rename, and path never removed or written."""
+    for probe in (checkpoint_exercise.after_a_failure, checkpoint_exercise.after_a_write):
+        folder = tmp_path / probe.__name__
+        folder.mkdir()
+        args = (str(folder), monkeypatch) if probe is checkpoint_exercise.after_a_write else (str(folder),)
+        try:
+            said = probe(*args)
+        except Exception as e:  # the learner's code raised: its own words (a blank's are the contract)
+            monkeypatch.undo()
+            contract = "" if isinstance(e, NotImplementedError) else f"; {checkpoint_exercise.CONTRACT}"
+            said = f"write_atomically raised {type(e).__name__}: {e}{contract}"
+        assert said is None, said
+
+
+@pytest.mark.exercise(judges=("write_atomically", "flat_boxes"))
 @settings(max_examples=15)
 @given(world=st.integers(1, 5), world_after=st.integers(1, 5), spec=specs, seed=st.integers(0, 99))
 def test_saved_at_k_ranks_loaded_at_k_prime_in_any_layout_is_bit_for_bit_and_reads_only_overlapping_boxes(
         world, world_after, spec, seed):
+    """tensors cut by rows, flat ranges, columns or whole, saved at K ranks, load at K' in another cut bit for bit,
+    each rank reading only the saved boxes that overlap its own"""
     path = tempfile.mkdtemp(prefix="test_checkpoint_")
     try:
         sizes = run(world, save_worker, path, spec, seed)
@@ -137,7 +165,6 @@ SPEC = [((5, 3), "float64", "flat", "rows"), ((7,), "int64", "rows", "cols"), ((
 
 
 @pytest.mark.single_process
-@pytest.mark.exercise
 def test_write_atomically_leaves_the_old_file_whole_if_the_writer_fails_and_syncs_before_the_rename(
         tmp_path, monkeypatch):
     file = tmp_path / "rank_00000.bin"
@@ -547,10 +574,13 @@ def load_layer_kinds(path, seed):
     return None
 
 
-@pytest.mark.exercise
+@pytest.mark.exercise(judges=("dim_shard",))
 @pytest.mark.parametrize("world, world_after", [(4, 3), (3, 2), (2, 3)])
 def test_every_tensor_parallel_layer_kind_saved_at_t_loads_at_t_prime_to_the_dense_models_bits(world, world_after):
-    """T' does not divide T: a rank at T' takes parts of two saved ranks' slices, and attention's q, k and
+    """every tensor-parallel layer kind (columns, rows, stacked q, k, v) saved at T ranks loads at T' to the dense
+    model's bits
+
+    T' does not divide T: a rank at T' takes parts of two saved ranks' slices, and attention's q, k and
     v parts each from a different place. Checked against the dense model, never against reshard itself."""
     path = tempfile.mkdtemp(prefix="test_checkpoint_")
     try:

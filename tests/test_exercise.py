@@ -221,8 +221,9 @@ def test_the_report_is_never_cut_and_its_smallest_case_has_no_comments(monkeypat
     lines, _ = grading.failure_lines("AssertionError", "wrong", [  # a value hypothesis wrote over several lines
         "Failing test case: test_x(\n    # The test always failed when commented parts were varied together.\n"
         "    T_world=(\n        2,\n        2,  # or any other generated value\n    ),\n    one=(\n        3,\n"
-        "    ),\n    b=1,  # or any other generated value\n)"])
-    assert "smallest case: T_world=(2, 2), one=(3,), b=1" in " ".join(" ".join(lines).split())
+        "    ),\n    b=1,  # or any other generated value\n)", "Draw 1 (parts): (\n    1,  # or any other generated "
+        "value\n    2,\n)"])
+    assert "smallest case: T_world=(2, 2), one=(3,), b=1; Draw 1 (parts): (1, 2)" in " ".join(" ".join(lines).split())
 
 
 @pytest.mark.single_process
@@ -250,11 +251,20 @@ def test_a_parametrized_propertys_lines_tell_its_cases_apart():
 
 # ----- the banks: every exercise brought up to the contract proves its grading with solutions
 
+def declared_in(path) -> dict:
+    return getattr(importlib.import_module(os.path.basename(path)[:-3]), "MISTAKES", {})
+
+
 def mistakes_of(module) -> dict:
+    """The mistakes the module's test files declare in its functions (a file that grades two exercises, as
+    test_checkpoint.py grades checkpoint and reshard, declares the other's too)."""
     found = {}
     for path in exercise.test_files(module):
-        found.update(getattr(importlib.import_module(os.path.basename(path)[:-3]), "MISTAKES", {}))
-    return found
+        found.update(declared_in(path))
+    every = {f for m in BANKS if set(exercise.test_files(m)) & set(exercise.test_files(module))
+             for f in blanked_functions(m)}
+    assert all(f in every for f, _ in found.values()), f"{module}: a mistake names a function with no blank"
+    return {name: (f, advice) for name, (f, advice) in found.items() if f in blanked_functions(module)}
 
 
 @pytest.mark.single_process

@@ -42,11 +42,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 WORKSPACE = os.path.join(ROOT, "exercises")
 WIDTH = 116
 # where a concept's marked properties live, when not (only) in tests/test_<module>.py: the bucket hook's
-# averages are pinned by DDP against native DDP; resharding by the checkpoints saved at K, loaded at K'
-TESTED_BY = {"reducer": ["reducer", "ddp"], "reshard": ["checkpoint"]}
-ORDER = ["ring_allreduce", "comm", "tensor_parallel", "reducer", "zero", "fsdp", "checkpoint", "reshard",
-         "loss_scaling", "activation_checkpoint", "pipeline_schedules", "context_parallel", "expert_parallel",
-         "mesh", "cost_model", "parallel_gpt"]
+# averages are pinned by DDP against native DDP; resharding's boxes alone, then in checkpoints saved at K, loaded at K'
+TESTED_BY = {"reducer": ["reducer", "ddp"], "reshard": ["reshard", "checkpoint"]}
+ORDER = ["ring_allreduce", "comm", "tensor_parallel", "reducer", "zero", "fsdp", "checkpoint", "checkpoint_plan",
+         "reshard", "loss_scaling", "activation_checkpoint", "pipeline_schedules", "context_parallel",
+         "expert_parallel", "mesh", "cost_model", "parallel_gpt"]
 ONE_RANK = ("activation_checkpoint", "cost_model")  # demos that run on one rank
 
 

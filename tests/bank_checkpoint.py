@@ -1,0 +1,112 @@
+"""The atomic write (checkpoint): hints, solutions that must pass, and classic mistakes that must fail, named.
+
+Bodies fill the blanks of exercises/checkpoint.py (kit/exercise.fill), keyed by the function they complete;
+tests/checkpoint_exercise.py's MISTAKES names what each wrong one gets wrong.
+"""
+HINTS = {
+    "write_atomically": [
+        "A reader must never see path half written, so the new bytes cannot go into path while they are being "
+        "written. Which operation of the file system changes what a name points to in one step?",
+        "Write the chunks to a file of another name in path's directory (a rename is atomic only within one file "
+        "system), then os.replace it onto path. A chunk that raises stops you before the rename: path was never "
+        "touched.",
+        "After a crash the rename may be on disk while the bytes it names are not: before os.replace, f.flush() "
+        "(Python's buffer to the kernel) and os.fsync(f.fileno()) (the kernel's to the disk).",
+    ],
+}
+
+RIGHT = {
+    "a Python file beside path, flushed and synced inside its with block, then os.replace": {
+        "write_atomically": """
+            part = f"{path}.part"
+            with open(part, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(part, path)
+        """,
+    },
+    "a raw descriptor (no Python buffer), every byte written, os.rename, the partial file removed on error": {
+        "write_atomically": """
+            part = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{os.getpid()}")
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for chunk in chunks:
+                    view = memoryview(chunk).cast("B")
+                    while len(view):
+                        view = view[os.write(fd, view):]
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                os.remove(part)
+                raise
+            os.close(fd)
+            os.rename(part, path)
+        """,
+    },
+    "the chunks joined, written once, closed, then synced through a descriptor of its own (fdatasync)": {
+        "write_atomically": """
+            tmp = path + ".new"
+            data = b"".join(bytes(memoryview(chunk).cast("B")) for chunk in chunks)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            fd = os.open(tmp, os.O_RDONLY)
+            os.fdatasync(fd)
+            os.close(fd)
+            os.replace(tmp, path)
+        """,
+    },
+}
+
+WRONG = {
+    "the chunks written straight into path, synced": ("written in place", {
+        "write_atomically": """
+            with open(path, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+        """,
+    }),
+    "a temporary file renamed onto path, never synced": ("renamed without fsync", {
+        "write_atomically": """
+            with open(path + ".tmp", "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+            os.replace(path + ".tmp", path)
+        """,
+    }),
+    "os.fsync while the bytes still sit in the Python file's buffer": ("fsync before flush", {
+        "write_atomically": """
+            with open(path + ".tmp", "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                os.fsync(f.fileno())
+            os.replace(path + ".tmp", path)
+        """,
+    }),
+    "renamed first, synced after": ("fsync after the rename", {
+        "write_atomically": """
+            with open(path + ".tmp", "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+            os.replace(path + ".tmp", path)
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        """,
+    }),
+    "the old file removed, then the synced new one renamed into its place": ("old file removed first", {
+        "write_atomically": """
+            with open(path + ".tmp", "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            if os.path.exists(path):
+                os.remove(path)
+            os.rename(path + ".tmp", path)
+        """,
+    }),
+}
