@@ -45,7 +45,7 @@ def dispatch(tokens, routing, num_experts, group=None, transport=comm.all_to_all
     the order its row is sent (rank 0's experts' rows first, each rank's by local expert); plan.sent[q] /
     plan.received[q]: rows I send to / receive from rank q (W ints); got [W, E/W] int64: got[q, i] rows from rank
     q for my local expert i; rows [sum(plan.received), h]: what came, rank 0's first, each in its plan's order."""
-    # exercise: return what the docstring promises, each all-to-all by `transport` (comm.all_to_all_rows: rows)
+    # exercise: (rows, got, plan) as the docstring says, exact, on every rank; each all-to-all by `transport`
     W = dist.get_world_size(group)
     t, j = routing.keep.nonzero(as_tuple=True)                            # kept (token, choice) pairs
     order = routing.expert[t, j].argsort(stable=True)                     # by expert = by owner rank
@@ -62,7 +62,7 @@ def combine(out, plan, weight, n, group=None, transport=comm.all_to_all_single):
     """out [sum(plan.received), h], row m the expert output of dispatch's rows[m], back to the ranks the rows came
     from; returns y [n, h]: y_t = sum over t's kept choices j of weight[t, j] * (row (t, j)'s output), 0 for a
     token with none; differentiable in out and in weight (the router learns through weight)."""
-    # exercise: return what the docstring promises, the rows brought back by `transport` (comm.all_to_all_rows)
+    # exercise: y as the docstring says, within a sum's rounding, differentiable; rows back by `transport`
     back = comm.all_to_all_rows(out, plan.received, plan.sent, group, transport)  # [kept, h], plan's order
     return out.new_zeros((n, out.shape[1])).index_add(0, plan.token, weight[plan.token, plan.choice, None] * back)
     # end exercise

@@ -9,7 +9,8 @@ HINTS = {
         "Three things travel. First each rank must learn how many rows every other rank will send it, for each of "
         "its local experts: only the sender knows, so the counts go by an all-to-all of their own. Then the rows "
         "themselves, by an all-to-all with uneven splits. The plan records what you sent, in the order you sent "
-        "it, so that combine can find each row's token when it comes back.",
+        "it, so that combine can find each row's token when it comes back. comm.all_to_all_rows moves rows with "
+        "uneven counts and carries their gradient back; `transport` itself moves any tensor's rows.",
         "routing.keep.nonzero(as_tuple=True) gives the kept (token, choice) pairs. Ordered by expert (argsort of "
         "routing.expert at those pairs), they are ordered by destination rank and, within a rank, by local expert, "
         "because rank q's experts are a block in a row. Counting rows per expert, for all E of them, and viewing "

@@ -111,7 +111,7 @@ class Watched:
 
     def __call__(self, out, x, output_splits, input_splits, group=None):
         mine = ([int(c) for c in input_splits], [int(c) for c in output_splits], x.shape[0], out.shape[0],
-                x.is_floating_point())
+                (str(x.dtype), tuple(x.shape[1:])))
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)
         named = self.name(everyone) if self.name else None
@@ -141,9 +141,9 @@ def disagreement(everyone) -> str | None:
 
 
 def dispatch_names(spec, everyone) -> tuple | None:
-    """The mistake behind dispatch's rows all-to-all (the one of floats) whose counts are not the contract's."""
+    """The mistake behind dispatch's rows all-to-all (of float64 rows [.., h]) whose counts are not the contract's."""
     W, E = spec[0], spec[1]
-    if not everyone[0][4] or any(len(send) != W for send, *_ in everyone):
+    if everyone[0][4] != (str(F64), (spec[3],)) or any(len(send) != W for send, *_ in everyone):
         return None
     kept = [counts(r, E, W) for _, r in cases(spec)]
     every = [counts(r, E, W, every=True) for _, r in cases(spec)]
@@ -219,6 +219,9 @@ def plan_problem(p, spec, result) -> str | None:
     every = cases(spec)
     routing = every[p][1]
     token, choice, sent, received = (ints(v) for v in result[2:])
+    for name, given in (("sent", result[4]), ("received", result[5])):
+        if not isinstance(given, list) or len(given) != W or ints(given) is None:
+            return f"rank {p}: plan.{name} is {given!r}, want a list of W = {W} ints"
     if token is None or choice is None or len(token) != len(choice):
         return f"rank {p}: plan.token and plan.choice must be two int tensors of one length: {result[2:4]}"
     pairs = list(zip(token, choice))
