@@ -15,6 +15,7 @@ the group tells the others what it will send and receive; ranks that do not agre
 instead of one of them waiting for rows that never come.
 """
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -64,20 +65,30 @@ def case(seed: int, q: int, n: int, h: int, E: int, k: int, keep: float, skew: b
     token (the first k for every token if skew), weights in [0.25, 1.25), each choice kept with probability keep."""
     g = torch.Generator().manual_seed(seed * 1009 + q)
     x = torch.randn(n, h, dtype=F64, generator=g)
-    if skew:
-        expert = torch.arange(k).repeat(n, 1)
-    else:
-        expert = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)]) if n else torch.zeros(
-            0, k, dtype=torch.int64)
+    expert = torch.arange(k).repeat(n, 1)
+    for t in range(0 if skew else n):
+        expert[t] = torch.randperm(E, generator=g)[:k]
     weight = torch.rand(n, k, dtype=F64, generator=g) + 0.25
     kept = torch.rand(n, k, generator=g, dtype=F64) < keep
     return x, Routing(expert, weight, kept, torch.zeros((), dtype=F64))
 
 
-def cases(spec):
-    """Every rank's (tokens, routing) of a spec = (W, E, k, h, ns, keep, skew, seed)."""
-    W, E, k, h, ns, keep, skew, seed = spec
-    return [case(seed, q, n, h, E, k, keep, skew) for q, n in enumerate(ns)]
+class Spec(NamedTuple):
+    """A group of W ranks, E experts, k choices per token, tokens [ns[q], h] on rank q, each choice kept with
+    probability keep, every token on the first k experts if skew."""
+    W: int
+    E: int
+    k: int
+    h: int
+    ns: tuple
+    keep: float
+    skew: bool
+    seed: int
+
+
+def cases(spec: Spec):
+    """Every rank's (tokens, routing), the one-process view."""
+    return [case(spec.seed, q, n, spec.h, spec.E, spec.k, spec.keep, spec.skew) for q, n in enumerate(spec.ns)]
 
 
 def counts(routing, E: int, W: int, every: bool = False) -> torch.Tensor:
@@ -142,8 +153,9 @@ def disagreement(everyone) -> str | None:
 
 def dispatch_names(spec, everyone) -> tuple | None:
     """The mistake behind dispatch's rows all-to-all (of float64 rows [.., h]) whose counts are not the contract's."""
-    W, E = spec[0], spec[1]
-    if everyone[0][4] != (str(F64), (spec[3],)) or any(len(send) != W for send, *_ in everyone):
+    W = spec.W
+    E = spec.E
+    if everyone[0][4] != (str(F64), (spec.h,)) or any(len(send) != W for send, *_ in everyone):
         return None
     kept = [counts(r, E, W) for _, r in cases(spec)]
     every = [counts(r, E, W, every=True) for _, r in cases(spec)]
@@ -189,11 +201,10 @@ def portable(v):
 
 def dispatch_worker(spec, transport):
     """This rank's dispatch of its tokens (spec's): what it returned, ready to judge."""
-    W, E = spec[0], spec[1]
     x, routing = cases(spec)[dist.get_rank()]
     watched = Watched(getattr(ep if transport == "p2p" else comm, TRANSPORTS[transport]),
                       functools.partial(dispatch_names, spec))
-    got = ep.dispatch(x.to(device()), on_device(routing), E, None, watched)
+    got = ep.dispatch(x.to(device()), on_device(routing), spec.E, None, watched)
     if not isinstance(got, tuple) or len(got) != 3:
         return f"dispatch returned {type(got).__name__}, not (rows, got, plan)"
     rows, counted, plan = got
@@ -214,11 +225,15 @@ def ints(v) -> list | None:
 
 def plan_problem(p, spec, result) -> str | None:
     """Rank p's plan against the contract: every kept pair once, by expert; sent, received its counts."""
-    W, E = spec[0], spec[1]
+    W = spec.W
+    E = spec.E
     L = E // W
     every = cases(spec)
     routing = every[p][1]
-    token, choice, sent, received = (ints(v) for v in result[2:])
+    token = ints(result[2])
+    choice = ints(result[3])
+    sent = ints(result[4])
+    received = ints(result[5])
     for name, given in (("sent", result[4]), ("received", result[5])):
         if not isinstance(given, list) or len(given) != W or ints(given) is None:
             return f"rank {p}: plan.{name} is {given!r}, want a list of W = {W} ints"
@@ -263,7 +278,8 @@ def plan_problem(p, spec, result) -> str | None:
 
 def got_problem(p, spec, result) -> str | None:
     """Rank p's got: [W, E/W] int64, got[q, i] the rows rank q sent for its local expert i."""
-    W, E = spec[0], spec[1]
+    W = spec.W
+    E = spec.E
     got = result[1]
     want = torch.stack([counts(r, E, W)[p] for _, r in cases(spec)])
     if not isinstance(got, torch.Tensor) or got.dtype != torch.int64:
@@ -287,15 +303,16 @@ def got_problem(p, spec, result) -> str | None:
 
 def rows_problem(p, spec, results) -> str | None:
     """Rank p's rows: from each rank q in turn, the tokens of q's plan bound for p's experts, in its plan's order."""
-    W, E = spec[0], spec[1]
+    W = spec.W
+    E = spec.E
     L = E // W
     every = cases(spec)
     rows = results[p][0]
-    h = spec[3]
+    h = spec.h
     want = []
-    for q, (x, routing) in enumerate(every):
-        token, choice = ints(results[q][2]), ints(results[q][3])
-        want += [(q, t, j) for t, j in zip(token, choice) if routing.expert[t, j].item() // L == p]
+    for q, (_, routing) in enumerate(every):
+        pairs = zip(ints(results[q][2]), ints(results[q][3]))
+        want += [(q, t, j) for t, j in pairs if routing.expert[t, j].item() // L == p]
     if not isinstance(rows, torch.Tensor) or rows.shape != (len(want), h) or rows.dtype != F64:
         return (f"rank {p}: rows is {type(rows).__name__} {getattr(rows, 'shape', '')}, want a float64 tensor "
                 f"[sum(plan.received), h] = [{len(want)}, {h}]")
@@ -330,17 +347,17 @@ def dispatch_problem(spec, results) -> str | None:
 
 def outputs(spec):
     """Every rank's expert outputs [n, k, h] (one row per choice) and dy [n, h]: what combine is given."""
-    h, seed = spec[3], spec[7]
     made = []
-    for q, n in enumerate(spec[4]):
-        g = torch.Generator().manual_seed(seed * 1013 + q + 7)
-        made.append((torch.randn(n, spec[2], h, dtype=F64, generator=g), torch.randn(n, h, dtype=F64, generator=g)))
+    for q, n in enumerate(spec.ns):
+        g = torch.Generator().manual_seed(spec.seed * 1013 + q + 7)
+        rows = torch.randn(n, spec.k, spec.h, dtype=F64, generator=g)
+        made.append((rows, torch.randn(n, spec.h, dtype=F64, generator=g)))
     return made
 
 
 def arrivals(spec, plans, p):
     """(q, t, j) of every row that reaches rank p, in arrival order: rank 0's first, each in its plan's order."""
-    L = spec[1] // spec[0]
+    L = spec.E // spec.W
     every = cases(spec)
     return [(q, t, j) for q, (token, choice, _) in enumerate(plans) for t, j in zip(token.tolist(), choice.tolist())
             if every[q][1].expert[t, j].item() // L == p]
@@ -349,12 +366,13 @@ def arrivals(spec, plans, p):
 def combine_worker(spec, transport):
     """This rank's combine of the outputs of the rows it received (under the contract's plan), then backward
     with dy: (y, out.grad, weight.grad), or a line saying what was not a tensor of the right shape."""
-    W, E = spec[0], spec[1]
+    W = spec.W
+    E = spec.E
     me = dist.get_rank()
     plans = [contract_plan(r, E, W) for _, r in cases(spec)]
     made = outputs(spec)
     came = arrivals(spec, plans, me)
-    out = torch.stack([made[q][0][t, j] for q, t, j in came]) if came else torch.zeros(0, spec[3], dtype=F64)
+    out = torch.stack([made[q][0][t, j] for q, t, j in came]) if came else torch.zeros(0, spec.h, dtype=F64)
     out = out.to(device()).requires_grad_()
     weight = cases(spec)[me][1].weight.to(device()).requires_grad_()
     token, choice, sent = plans[me]
@@ -387,7 +405,10 @@ def first_off(p, what, got, want, bound, say) -> str | None:
 
 def combine_problem(spec, results) -> str | None:
     """The first rank whose y, out.grad or weight.grad leaves the contract, with the mistake where recognised."""
-    W, E, k, h = spec[0], spec[1], spec[2], spec[3]
+    W = spec.W
+    E = spec.E
+    k = spec.k
+    h = spec.h
     every = cases(spec)
     made = outputs(spec)
     plans = [contract_plan(r, E, W) for _, r in every]

@@ -45,20 +45,19 @@ def rel_err(a, b):
 
 @st.composite
 def specs(draw):
-    """(W, E, k, h, tokens per rank, keep probability, skew, seed): a group of W ranks and their routings."""
+    """A group of 1-5 ranks, 1-3 experts a rank, 1-3 choices a token, 0-8 tokens a rank, drops or none."""
     W = draw(st.integers(1, 5))
     E = W * draw(st.integers(1, 3))
-    k = draw(st.integers(1, min(3, E)))
-    ns = draw(st.lists(st.integers(0, 8), min_size=W, max_size=W))
-    return (W, E, k, draw(st.integers(1, 4)), ns, draw(st.sampled_from([1.0, 0.7, 0.3])), draw(st.booleans()),
-            draw(st.integers(0, 1000)))
+    return ep_exercise.Spec(W, E, draw(st.integers(1, min(3, E))), draw(st.integers(1, 4)),
+                            tuple(draw(st.lists(st.integers(0, 8), min_size=W, max_size=W))),
+                            draw(st.sampled_from([1.0, 0.7, 0.3])), draw(st.booleans()), draw(st.integers(0, 1000)))
 
 
 SMALL = [  # run first, in this order: the smallest cases that tell the classic mistakes apart
-    (1, 3, 1, 2, [4], 1.0, True, 0),            # one rank; no row for its last experts
-    (2, 4, 2, 3, [5, 2], 1.0, False, 1),        # two experts a rank; uneven tokens
-    (3, 6, 2, 2, [0, 6, 3], 0.6, False, 2),     # a rank with no tokens; dropped choices
-    (3, 6, 2, 2, [4, 3, 5], 1.0, True, 3),      # every row to rank 0: ranks 1 and 2 receive nothing
+    ep_exercise.Spec(1, 3, 1, 2, (4,), 1.0, True, 0),            # one rank; no row for its last experts
+    ep_exercise.Spec(2, 4, 2, 3, (5, 2), 1.0, False, 1),         # two experts a rank; uneven tokens
+    ep_exercise.Spec(3, 6, 2, 2, (0, 6, 3), 0.6, False, 2),      # a rank with no tokens; dropped choices
+    ep_exercise.Spec(3, 6, 2, 2, (4, 3, 5), 1.0, True, 3),       # every row to rank 0: ranks 1, 2 receive nothing
 ]
 
 
@@ -77,7 +76,7 @@ def test_dispatch_puts_each_kept_row_on_its_experts_rank_in_plan_order(spec, tra
     Exactly (it only moves rows): plan.token / plan.choice every kept pair once, by expert; plan.sent and
     plan.received the rows to and from each rank; got[q, i] the rows from rank q for local expert i; rows what
     came, rank 0's first, each rank's in its plan's order."""
-    said = ep_exercise.dispatch_problem(spec, run(spec[0], ep_exercise.dispatch_worker, spec, transport))
+    said = ep_exercise.dispatch_problem(spec, run(spec.W, ep_exercise.dispatch_worker, spec, transport))
     assert said is None, said
 
 
@@ -89,7 +88,7 @@ def test_combine_brings_rows_home_and_sums_them_by_weight(spec, transport):
 
     Given the contract's plan and each row's output on the rank it went to: y within 2 gamma_(k+1) *
     sum|terms| of the exact sum (0 for a token with none kept), weight.grad and out.grad within theirs."""
-    said = ep_exercise.combine_problem(spec, run(spec[0], ep_exercise.combine_worker, spec, transport))
+    said = ep_exercise.combine_problem(spec, run(spec.W, ep_exercise.combine_worker, spec, transport))
     assert said is None, said
 
 
