@@ -421,10 +421,11 @@ def combine_problem(spec, results) -> str | None:
         w = routing.weight * routing.keep
         terms = w[..., None] * rows                                    # [n, k, h]
         bound = 2 * gamma(k + 1, F64) * terms.abs().sum(1)
-        said = first_off(q, "y", y, terms.sum(1), bound, "the sum of its kept choices' weight * output, within "
+        want = terms.sum(1)
+        said = first_off(q, "y", y, want, bound, "the sum of its kept choices' weight * output, within "
                          "2 gamma_(k+1) * sum|terms|; 0 for a token with none kept")
         if said:
-            return said + combine_mistake(q, y, routing, rows, bound)
+            return said + (combine_mistake(q, y, routing, rows, bound) or token_said(q, y, want, bound, routing))
         products = rows * dy[:, None, :] * routing.keep[..., None]
         said = first_off(q, "weight.grad", dweight, products.sum(-1), 2 * gamma(h + 1, F64) * products.abs().sum(-1),
                          "dL/dweight[t, j] = <row (t, j)'s output, dy_t> for a kept choice, 0 for a dropped one")
@@ -439,6 +440,15 @@ def combine_problem(spec, results) -> str | None:
         if said:
             return said
     return None
+
+
+def token_said(q, y, want, bound, routing) -> str:
+    """The first wrong token of rank q's y: its kept choices, their experts and weights."""
+    t = (((y - want).abs() > bound) | y.isnan()).any(1).nonzero()[0].item()
+    kept = routing.keep[t].nonzero().flatten().tolist()
+    return (f"\nrank {q}'s token {t}: kept choices {kept}, experts {routing.expert[t, kept].tolist()}, weights "
+            f"{[round(w, 4) for w in routing.weight[t, kept].tolist()]}" if kept else
+            f"\nrank {q}'s token {t} has no kept choice (routing.keep all False): its y is 0")
 
 
 def combine_mistake(q, y, routing, rows, bound) -> str:
