@@ -147,6 +147,23 @@ WRONG = {
         """,
         "combine": REFERENCE_COMBINE,
     }),
+    "a rank with nothing kept returns at once": ("a rank with no rows skipped the all-to-all", {
+        "dispatch": """
+            W = dist.get_world_size(group)
+            t, j = routing.keep.nonzero(as_tuple=True)
+            if len(t) == 0:
+                nothing = torch.zeros(W, num_experts // W, dtype=torch.int64, device=tokens.device)
+                return tokens[:0], nothing, Plan(t, j, [0] * W, [0] * W)
+            order = routing.expert[t, j].argsort(stable=True)
+            t = t[order]
+            j = j[order]
+            sent = torch.bincount(routing.expert[t, j], minlength=num_experts).view(W, -1)
+            got = transport(torch.empty_like(sent), sent, [1] * W, [1] * W, group)
+            plan = Plan(t, j, sent.sum(1).tolist(), got.sum(1).tolist())
+            return comm.all_to_all_rows(tokens[t], plan.sent, plan.received, group, transport), got, plan
+        """,
+        "combine": REFERENCE_COMBINE,
+    }),
     "the outputs added without the router's weights": ("MoE rows combined without their weights", {
         "dispatch": REFERENCE_DISPATCH,
         "combine": """

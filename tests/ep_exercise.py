@@ -11,8 +11,9 @@ w_tj * dy_t, one product (2 gamma_2 * |w_tj * dy_t|). A weight left out, a row a
 choice in place of two is an O(1) error.
 
 The transport handed to the learner's function is watched: before an all-to-all moves anything, every rank of
-the group tells the others what it will send and receive; ranks that do not agree all stop at once, named,
-instead of one of them waiting for rows that never come.
+the group tells the others what it will send and receive, and a rank that leaves the function (returned or
+raised) says so; ranks that do not agree all stop at once, named, instead of one of them waiting for rows that
+never come.
 """
 import functools
 from typing import NamedTuple
@@ -48,6 +49,9 @@ MISTAKES = {
     "sent and received counts swapped on the way back": ("combine", "back, each rank sends the rows it received "
                                                          "(plan.received[q] of them to rank q) and gets back the "
                                                          "rows it sent (plan.sent[q] from rank q)"),
+    "a rank with no rows skipped the all-to-all": ("dispatch", "every rank of the group takes part in every "
+                                                   "all-to-all, also one with nothing to send or receive (its counts "
+                                                   "are 0s): the others wait for it otherwise"),
     "a token's choices overwrite each other": ("combine", "y[t] += rows with the same t twice in the index adds "
                                                "only one of them (an indexed assignment keeps one): add every row "
                                                "into its token, e.g. with index_add"),
@@ -56,6 +60,10 @@ MISTAKES = {
 
 class Mismatch(AssertionError):
     """Ranks about to run an all-to-all that do not agree on its counts: raised on every rank of the group."""
+
+
+class Left(Mismatch):
+    """A rank left the judged function while others are in an all-to-all: every rank knows, none gathers again."""
 
 
 # ----- the cases: every rank's tokens and routing, the same on every rank
@@ -111,25 +119,64 @@ def on_device(routing):
 
 # ----- the watched transport
 
-class Watched:
-    """The transport handed to the learner's function: before each all-to-all, every rank of the group tells the
-    others its send and receive counts and row counts (one all_gather_object); a problem any of them has, every
-    rank raises. `name(everyone)`: None, or (what is wrong, the mistake) where it recognises a classic one."""
+END = "no more all-to-alls"  # what a rank tells the others when the judged function returned or raised
 
-    def __init__(self, transport, name):
+
+class Watched:
+    """The transport handed to the learner's `function`: before each all-to-all, every rank of the group tells the
+    others its send and receive counts and row counts (one all_gather_object), and when the function returned or
+    raised, it says so (finish): a problem any rank has, every rank raises, and none waits for a rank that left.
+    `name(everyone)`: None, or (what is wrong, the mistake) where it recognises a classic one; `idle`: the ranks
+    with no rows to move."""
+
+    def __init__(self, transport, name, function, idle):
         self.transport = transport
         self.name = name
+        self.function = function
+        self.idle = idle
+        self.calls = 0
 
     def __call__(self, out, x, output_splits, input_splits, group=None):
         mine = ([int(c) for c in input_splits], [int(c) for c in output_splits], x.shape[0], out.shape[0],
                 (str(x.dtype), tuple(x.shape[1:])))
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)
+        ended = [r for r, said in enumerate(everyone) if said[0] == END]
+        if ended:
+            raise Left(self.left(everyone, ended[0]))
+        self.calls += 1
         named = self.name(everyone) if self.name else None
         said = disagreement(everyone) or (named and named[0])
         if said:
             raise Mismatch(said + (f"\n{named[1]}" if named else ""))
         return self.transport(out, x, output_splits, input_splits, group)
+
+    def finish(self, raised: str | None) -> None:
+        """The function returned (raised: None) or raised (what): tell the ranks still in an all-to-all; if this
+        rank returned while others are in one, it raises what they do."""
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (END, raised, self.calls))
+        busy = [r for r, said in enumerate(everyone) if said[0] != END]
+        if busy and raised is None:
+            raise Left(self.left(everyone, dist.get_rank()))
+
+    def left(self, everyone, r: int) -> str:
+        """Rank r's function returned or raised while other ranks run one more all-to-all (or agree before one)."""
+        _, raised, calls = everyone[r]
+        busy = next(q for q, said in enumerate(everyone) if said[0] != END)
+        if raised:
+            return f"waited for rank {r}, which raised {raised} in {self.function} (its own error says where)"
+        said = (f"rank {r} returned from {self.function} after {calls} all-to-all{'s' if calls != 1 else ''} while "
+                f"rank {busy} calls one more")
+        if r in self.idle:
+            said += "\n" + mistake(MISTAKES, "a rank with no rows skipped the all-to-all", f"rank {r} has no rows to "
+                                  f"move, and left {self.function} before the others' all-to-all", self.function)
+        return said
+
+
+def told(e: Exception) -> bool:
+    """Whether the error already says that a rank left (in this gather or in agree's): no rank gathers again."""
+    return isinstance(e, Left) or END in str(e)
 
 
 def disagreement(everyone) -> str | None:
@@ -202,9 +249,16 @@ def portable(v):
 def dispatch_worker(spec, transport):
     """This rank's dispatch of its tokens (spec's): what it returned, ready to judge."""
     x, routing = cases(spec)[dist.get_rank()]
+    idle = [q for q, (_, r) in enumerate(cases(spec)) if not r.keep.any()]
     watched = Watched(getattr(ep if transport == "p2p" else comm, TRANSPORTS[transport]),
-                      functools.partial(dispatch_names, spec))
-    got = ep.dispatch(x.to(device()), on_device(routing), spec.E, None, watched)
+                      functools.partial(dispatch_names, spec), "dispatch", idle)
+    try:
+        got = ep.dispatch(x.to(device()), on_device(routing), spec.E, None, watched)
+    except Exception as e:
+        if not told(e):
+            watched.finish(type(e).__name__)
+        raise
+    watched.finish(None)
     if not isinstance(got, tuple) or len(got) != 3:
         return f"dispatch returned {type(got).__name__}, not (rows, got, plan)"
     rows, counted, plan = got
@@ -377,14 +431,21 @@ def combine_worker(spec, transport):
     weight = cases(spec)[me][1].weight.to(device()).requires_grad_()
     token, choice, sent = plans[me]
     plan = ep.Plan(token.to(device()), choice.to(device()), sent, [plans[q][2][me] for q in range(W)])
+    idle = [q for q in range(W) if not len(plans[q][0]) or not arrivals(spec, plans, q)]
     watched = Watched(getattr(ep if transport == "p2p" else comm, TRANSPORTS[transport]),
-                      functools.partial(combine_names, plans))
-    y = ep.combine(out, plan, weight, len(made[me][1]), None, watched)
-    watched.name = None  # backward's trip is the reverse one: sent and received the other way round
+                      functools.partial(combine_names, plans), "combine", idle)
     dy = made[me][1].to(device())
-    fine = isinstance(y, torch.Tensor) and y.shape == dy.shape
-    if isinstance(y, torch.Tensor) and y.requires_grad:  # every rank backward, a wrong shape too: in step
-        y.backward(dy if fine else torch.zeros_like(y))
+    try:
+        y = ep.combine(out, plan, weight, len(dy), None, watched)
+        watched.name = None  # backward's trip is the reverse one: sent and received the other way round
+        fine = isinstance(y, torch.Tensor) and y.shape == dy.shape
+        if isinstance(y, torch.Tensor) and y.requires_grad:  # every rank backward, a wrong shape too: in step
+            y.backward(dy if fine else torch.zeros_like(y))
+    except Exception as e:
+        if not told(e):
+            watched.finish(type(e).__name__)
+        raise
+    watched.finish(None)
     if not fine:
         return f"combine returned {type(y).__name__} {list(getattr(y, 'shape', []))}, want y [n, h] = {list(dy.shape)}"
     return [portable(v) for v in (y, out.grad, weight.grad)]
