@@ -5,7 +5,8 @@ The one-process `MoE` is checked against the formulas token by token in tests/te
 it, as an expert axis carved out of a mesh would be), with uneven token counts (zero included), drops and no
 drops, k in {1, 2}, both transports, against the one-process layer called once per rank (each rank is one
 routing group): outputs, aux loss, drop counts, input, router and expert gradients, and the byte ledger. The
-point-to-point all-to-all must equal dist.all_to_all_single bit for bit.
+point-to-point all-to-all must equal dist.all_to_all_single bit for bit. First, dispatch and combine (the
+exercise's functions) are each judged on their own against their docstrings' contract (tests/ep_exercise.py).
 
 Tolerance. Every expert sees the same rows on both sides, so outputs are computed by the same operations on
 the same numbers; gradients of shared weights are sums over rows (and over ranks, through the router's
