@@ -9,14 +9,12 @@ all-to-all with uneven splits; the counts are exchanged first, so every receiver
     counts    all-to-all of E integers          dispatch  my kept rows to their experts' ranks
     experts   E/W local MLPs on what arrived    combine   the reverse all-to-all, then y = sum_j w_j out_j
 
-The backward is the same two trips reversed. Bytes each rank sends, forward and again backward: its rows for
-other ranks' experts (dispatch), then the outputs of the rows other ranks sent it (combine),
-(rows out + rows in) * h * bytes per element. Imbalance costs time as well as tokens: the rank whose experts
-drew the most rows computes longest, and the combine waits for it.
+The backward is the same two trips reversed. Bytes each rank sends, forward and again backward, are its rows
+for other ranks' experts (dispatch), then the outputs of the rows other ranks sent it (combine): (rows out +
+rows in) * h * bytes per element. Imbalance costs time too: the busiest rank's experts set the pace.
 
-Naive beside optimised: `moe.MoE` runs every expert in one process, looping over them (the reference);
-`ExpertParallelMoE` shards them and moves rows with `p2p_all_to_all`, an all-to-all from isend/irecv,
-beside dist.all_to_all_single (transport=comm.all_to_all_single).
+Naive beside optimised: `moe.MoE` loops over every expert in one process (the reference); `ExpertParallelMoE`
+shards them and moves rows by `p2p_all_to_all` (isend/irecv) or dist.all_to_all_single (comm.all_to_all_single).
 
 Demo (vs one process, bytes vs formula, balance with and without the aux loss; ./run.sh ask 17: stragglers):
 
@@ -42,10 +40,12 @@ Plan = namedtuple("Plan", "token choice sent received")  # the rows' (token, cho
 
 
 def dispatch(tokens, routing, num_experts, group=None, transport=comm.all_to_all_single):
-    """Each kept (token, choice) row of tokens [n, h] to the rank holding its expert (rank q holds experts
-    q*E/W .. (q+1)*E/W - 1). Returns the rows that arrived, grouped by source rank then by local expert;
-    got [W, E/W], the rows rank q sent for my local expert i; and the Plan that combine brings them back by."""
-    # exercise: sort kept (token, choice) pairs by expert; all-to-all the counts per expert; all_to_all_rows
+    """Each kept (token, choice) row of tokens [n, h] to the rank holding its expert (rank q of the W holds
+    experts q*E/W .. (q+1)*E/W - 1). Returns (rows, got, plan): plan.token, plan.choice: every kept pair once, in
+    the order its row is sent (rank 0's experts' rows first, each rank's by local expert); plan.sent[q] /
+    plan.received[q]: rows I send to / receive from rank q (W ints); got [W, E/W] int64: got[q, i] rows from rank
+    q for my local expert i; rows [sum(plan.received), h]: what came, rank 0's first, each in its plan's order."""
+    # exercise: (rows, got, plan) as the docstring says, exact, on every rank; each all-to-all by `transport`
     W = dist.get_world_size(group)
     t, j = routing.keep.nonzero(as_tuple=True)                            # kept (token, choice) pairs
     order = routing.expert[t, j].argsort(stable=True)                     # by expert = by owner rank
@@ -59,9 +59,10 @@ def dispatch(tokens, routing, num_experts, group=None, transport=comm.all_to_all
 
 
 def combine(out, plan, weight, n, group=None, transport=comm.all_to_all_single):
-    """The expert outputs [sum(plan.received), h] back to their tokens' ranks (the reverse all-to-all), then
-    y_t = sum_j w_tj expert_{e_tj}(x_t) over the kept choices: [n, h], 0 for a token with none kept."""
-    # exercise: all_to_all_rows with sent and received swapped; index_add each row, times its w, into y
+    """out [sum(plan.received), h], row m the expert output of dispatch's rows[m], back to the ranks the rows came
+    from; returns y [n, h]: y_t = sum over t's kept choices j of weight[t, j] * (row (t, j)'s output), 0 for a
+    token with none; differentiable in out and in weight (the router learns through weight)."""
+    # exercise: y as the docstring says, within a sum's rounding, differentiable; rows back by `transport`
     back = comm.all_to_all_rows(out, plan.received, plan.sent, group, transport)  # [kept, h], plan's order
     return out.new_zeros((n, out.shape[1])).index_add(0, plan.token, weight[plan.token, plan.choice, None] * back)
     # end exercise

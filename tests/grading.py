@@ -111,7 +111,7 @@ def failure_lines(kind: str, message: str, notes: list[str]) -> tuple[list[str],
     """What a check prints under a FAIL, and the line of the learner's file the failure points at (if any)."""
     if kind == "RankFailure":
         error, where, at = rank_failure(message)
-        said = [error, *re.findall(r"^mistake in .*$", message, re.M)]  # a mistake the property recognised
+        said = [error, *dict.fromkeys(re.findall(r"^mistake in .*$", message, re.M))]  # each rank's, said once
     else:
         said = [line.strip() for line in re.split(r"\nassert ", message, maxsplit=1)[0].splitlines() if line.strip()]
         said = said or [kind]

@@ -5,7 +5,8 @@ The one-process `MoE` is checked against the formulas token by token in tests/te
 it, as an expert axis carved out of a mesh would be), with uneven token counts (zero included), drops and no
 drops, k in {1, 2}, both transports, against the one-process layer called once per rank (each rank is one
 routing group): outputs, aux loss, drop counts, input, router and expert gradients, and the byte ledger. The
-point-to-point all-to-all must equal dist.all_to_all_single bit for bit.
+point-to-point all-to-all must equal dist.all_to_all_single bit for bit. First, dispatch and combine (the
+exercise's functions) are each judged on their own against their docstrings' contract (tests/ep_exercise.py).
 
 Tolerance. Every expert sees the same rows on both sides, so outputs are computed by the same operations on
 the same numbers; gradients of shared weights are sums over rows (and over ranks, through the router's
@@ -19,9 +20,11 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
+import ep_exercise
+from ep_exercise import MISTAKES  # noqa: F401  (the exercise's, declared beside its judge)
 from harness import RankFailure, device, run, subgroup
 from mini_dist import comm, nccl_order
 from mini_dist import expert_parallel as ep
@@ -35,6 +38,59 @@ TRANSPORTS = {"p2p": ep.p2p_all_to_all, "native": comm.all_to_all_single}
 
 def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1)).item() if b.numel() else 0.0
+
+
+# ----- dispatch and combine, the learner's exercise (./run.sh check expert_parallel), each judged on its own
+# against its contract: exactly for dispatch (it only moves rows), within a sum's rounding for combine; the
+# classic mistakes named (tests/ep_exercise.py)
+
+@st.composite
+def specs(draw):
+    """A group of 1-5 ranks, 1-3 experts a rank, 1-3 choices a token, 0-8 tokens a rank, drops or none."""
+    W = draw(st.integers(1, 5))
+    E = W * draw(st.integers(1, 3))
+    return ep_exercise.Spec(W, E, draw(st.integers(1, min(3, E))), draw(st.integers(1, 4)),
+                            tuple(draw(st.lists(st.integers(0, 8), min_size=W, max_size=W))),
+                            draw(st.sampled_from([1.0, 0.7, 0.3])), draw(st.booleans()), draw(st.integers(0, 1000)))
+
+
+SMALL = [  # run first, in this order: the smallest cases that tell the classic mistakes apart
+    ep_exercise.Spec(1, 3, 1, 2, (4,), 1.0, True, 0),            # one rank; no row for its last experts
+    ep_exercise.Spec(2, 4, 2, 3, (5, 2), 1.0, False, 1),         # two experts a rank; uneven tokens
+    ep_exercise.Spec(3, 6, 2, 2, (0, 6, 3), 0.6, False, 2),      # a rank with no tokens; dropped choices
+    ep_exercise.Spec(3, 6, 2, 2, (4, 3, 5), 1.0, True, 3),       # every row to rank 0: ranks 1, 2 receive nothing
+]
+
+
+def with_small_cases(test):
+    for spec in reversed(SMALL):
+        test = example(spec=spec, transport="p2p")(test)
+    return test
+
+
+@pytest.mark.exercise(judges=("dispatch",))
+@with_small_cases
+@given(spec=specs(), transport=st.sampled_from(sorted(ep_exercise.TRANSPORTS)))
+def test_dispatch_puts_each_kept_row_on_its_experts_rank_in_plan_order(spec, transport):
+    """dispatch: every kept (token, choice) row on its expert's rank, by source rank then local expert; got, plan
+
+    Exactly (it only moves rows): plan.token / plan.choice every kept pair once, by expert; plan.sent and
+    plan.received the rows to and from each rank; got[q, i] the rows from rank q for local expert i; rows what
+    came, rank 0's first, each rank's in its plan's order."""
+    said = ep_exercise.dispatch_problem(spec, run(spec.W, ep_exercise.dispatch_worker, spec, transport))
+    assert said is None, said
+
+
+@pytest.mark.exercise(judges=("combine",))
+@with_small_cases
+@given(spec=specs(), transport=st.sampled_from(sorted(ep_exercise.TRANSPORTS)))
+def test_combine_brings_rows_home_and_sums_them_by_weight(spec, transport):
+    """combine: y_t = sum of weight[t, j] * output of row (t, j) over t's kept choices; gradients of out, weight
+
+    Given the contract's plan and each row's output on the rank it went to: y within 2 gamma_(k+1) *
+    sum|terms| of the exact sum (0 for a token with none kept), weight.grad and out.grad within theirs."""
+    said = ep_exercise.combine_problem(spec, run(spec.W, ep_exercise.combine_worker, spec, transport))
+    assert said is None, said
 
 
 # ----- the expert-parallel layer against the one-process layer, on ranks -----
@@ -112,7 +168,7 @@ def assert_equal_to_one_process(r):
         f"rank {r['rank']}: dropped {r['dropped'][0]} choices, the one-process MoE {r['dropped'][1]}"
 
 
-@pytest.mark.exercise
+@pytest.mark.exercise(judges=("dispatch", "combine"))
 @given(data=st.data(), W=st.integers(1, 5), k=st.integers(1, 2), cf=st.sampled_from(CAPACITY_FACTORS),
        h=st.integers(1, 5), ffn=st.integers(1, 5), transport=st.sampled_from(sorted(TRANSPORTS)),
        skew=st.booleans(), seed=st.integers(0, 1000))
@@ -141,7 +197,7 @@ def test_expert_parallel_equals_one_process_moe_outputs_aux_drops_and_gradients(
             assert mine["bytes"] == 2 * off_rank * h * 8, f"rank {rq} sent {mine['bytes']} B"  # there and back, twice
 
 
-@pytest.mark.exercise
+@pytest.mark.exercise(judges=("dispatch", "combine"))
 def test_a_rank_with_no_tokens_and_ranks_that_send_nothing_to_some_rank():
     """A rank with no tokens, and ranks that send some ranks nothing, still equal the one-process MoE.
 
