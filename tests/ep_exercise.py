@@ -72,13 +72,13 @@ def case(seed: int, q: int, n: int, h: int, E: int, k: int, keep: float, skew: b
     """Rank q's tokens [n, h] and Routing on the CPU (each rank builds every rank's): k different experts per
     token (the first k for every token if skew), weights in [0.25, 1.25), each choice kept with probability keep."""
     g = torch.Generator().manual_seed(seed * 1009 + q)
-    x = torch.randn(n, h, dtype=F64, generator=g)
-    expert = torch.arange(k).repeat(n, 1)
+    x = torch.randn(n, h, dtype=F64, generator=g)  # cpu: moved to device() where used
+    expert = torch.arange(k).repeat(n, 1)  # cpu: moved to device() where used
     for t in range(0 if skew else n):
-        expert[t] = torch.randperm(E, generator=g)[:k]
-    weight = torch.rand(n, k, dtype=F64, generator=g) + 0.25
-    kept = torch.rand(n, k, generator=g, dtype=F64) < keep
-    return x, Routing(expert, weight, kept, torch.zeros((), dtype=F64))
+        expert[t] = torch.randperm(E, generator=g)[:k]  # cpu: moved to device() where used
+    weight = torch.rand(n, k, dtype=F64, generator=g) + 0.25  # cpu: moved to device() where used
+    kept = torch.rand(n, k, generator=g, dtype=F64) < keep  # cpu: moved to device() where used
+    return x, Routing(expert, weight, kept, torch.zeros((), dtype=F64))  # cpu: moved to device() where used
 
 
 class Spec(NamedTuple):
@@ -404,8 +404,8 @@ def outputs(spec):
     made = []
     for q, n in enumerate(spec.ns):
         g = torch.Generator().manual_seed(spec.seed * 1013 + q + 7)
-        rows = torch.randn(n, spec.k, spec.h, dtype=F64, generator=g)
-        made.append((rows, torch.randn(n, spec.h, dtype=F64, generator=g)))
+        rows = torch.randn(n, spec.k, spec.h, dtype=F64, generator=g)  # cpu: moved to device() where used
+        made.append((rows, torch.randn(n, spec.h, dtype=F64, generator=g)))  # cpu: moved to device() where used
     return made
 
 
@@ -426,7 +426,8 @@ def combine_worker(spec, transport):
     plans = [contract_plan(r, E, W) for _, r in cases(spec)]
     made = outputs(spec)
     came = arrivals(spec, plans, me)
-    out = torch.stack([made[q][0][t, j] for q, t, j in came]) if came else torch.zeros(0, spec.h, dtype=F64)
+    none = torch.zeros(0, spec.h, dtype=F64)  # cpu: moved to device() below
+    out = torch.stack([made[q][0][t, j] for q, t, j in came]) if came else none
     out = out.to(device()).requires_grad_()
     weight = cases(spec)[me][1].weight.to(device()).requires_grad_()
     token, choice, sent = plans[me]
@@ -495,7 +496,7 @@ def combine_problem(spec, results) -> str | None:
     for p, (_, dout, _) in enumerate(results):
         came = arrivals(spec, plans, p)
         want = torch.stack([every[q][1].weight[t, j] * made[q][1][t] for q, t, j in came]) if came else \
-            torch.zeros(0, h, dtype=F64)
+            torch.zeros(0, h, dtype=F64)  # cpu: moved to device() where used
         said = first_off(p, "out.grad", dout, want, 2 * gamma(2, F64) * want.abs(), "row m's dL/dout is its "
                          "weight times dy of its token, sent back to the rank it came from")
         if said:

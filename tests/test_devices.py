@@ -317,9 +317,24 @@ def rank_device() -> torch.device:
     return RANK_DEVICE
 
 
+def no_tag_of_its_own(storage):
+    """torch.save already tags a storage of the rank's device "cpu:0", as it tags a GPU's "cuda:0"."""
+    return None
+
+
+def loaded_onto_the_rank_device(storage, location):
+    """torch.load of a "cpu:0" storage (or with map_location the rank's device): CPU memory, as a GPU's loads
+    onto the GPU; torch itself restores only "cpu" and the accelerators it knows."""
+    return storage if location == str(RANK_DEVICE) else None
+
+
 def on_rank_device(fn, *args):
     """fn(*args) on this rank of a pool, the rank's device told apart from the CPU: launch.device() and a demo's
-    env.device are RANK_DEVICE, and a demo's conclude leaves the pool's group standing (a barrier)."""
+    env.device are RANK_DEVICE (torch.save and torch.load know it, as they know cuda:0), and a demo's conclude
+    leaves the pool's group standing (a barrier)."""
+    if not getattr(torch.serialization, "_mini_dist_rank_device", False):
+        torch.serialization.register_package(5, no_tag_of_its_own, loaded_onto_the_rank_device)
+        torch.serialization._mini_dist_rank_device = True
     setup = launch.setup
 
     def setup_on_rank_device(*a, **k):

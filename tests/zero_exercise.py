@@ -47,8 +47,8 @@ def probe(S: int, collectives: str, seed: int) -> dict:
     K = dist.get_world_size()
     r = dist.get_rank()
     g = torch.Generator().manual_seed(seed)  # the same numbers on every rank
-    flat0 = torch.randint(-50, 50, (K * S,), generator=g).double()
-    grads = torch.randint(-20, 20, (K, K * S), generator=g).double()  # row q: rank q's grad (already / K)
+    flat0 = torch.randint(-50, 50, (K * S,), generator=g).double()  # cpu: what the judge compares; moved below
+    grads = torch.randint(-20, 20, (K, K * S), generator=g).double()  # cpu: row q, rank q's grad (already / K)
     flat = flat0.clone().to(device())  # a copy on the cpu too: the step must not touch what the judge compares
     grad = grads[r].clone().to(device())
     events = []
