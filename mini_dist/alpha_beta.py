@@ -212,8 +212,7 @@ def parser():
 def demo(args) -> int:
     N = launch.env_world_size()
     G = args.ranks_per_node
-    launch.require(G >= 1 and N % G == 0, f"--ranks-per-node {G} does not divide {N} ranks into equal nodes; "
-                   f"use one of {[g for g in range(1, N + 1) if N % g == 0]}")
+    launch.require_nodes(N, G)
     launch.require(min(args.sizes_kib) >= 1 and min(args.slow_link_us, args.slow_link_mbps) >= 0,
                    "--sizes-kib must be >= 1, the slow link >= 0")
     launch.setup()

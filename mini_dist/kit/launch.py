@@ -67,6 +67,13 @@ def require(ok: bool, message: str) -> None:
         raise UsageError(message)
 
 
+def require_nodes(world: int, ranks_per_node: int) -> None:
+    """Refuse a --ranks-per-node that does not split the world into equal nodes (G consecutive ranks each)."""
+    divisors = [g for g in range(1, world + 1) if world % g == 0]
+    require(ranks_per_node in divisors, f"--ranks-per-node {ranks_per_node} does not divide {world} ranks into "
+                                        f"equal nodes; use one of {divisors}")
+
+
 def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
