@@ -100,12 +100,26 @@ def test_demo_prints_the_worked_example_and_a_passing_summary_line():
     assert "|PASS its states 38.5 GB/GPU = 4N + 12N/K = 38.5 GB" in summary, summary
 
 
-def test_cli_has_help_and_says_every_mistake_in_one_line_with_exit_code_2():
+def in_process(args, capsys):
+    """The planner's command line run in this process: (exit status, stdout, stderr)."""
+    try:
+        code = planner.demo(args)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_has_help_and_says_every_mistake_in_one_line_with_exit_code_2(capsys):
     """--help names every flag; an unknown flag, a value of the wrong type, a count it cannot read, an
-    incomplete shape and a plan that cannot be are each one line on stderr, nothing on stdout, status 2."""
+    incomplete shape and a plan that cannot be are each one line on stderr, nothing on stdout, status 2 (the
+    first as `python -m` runs it, the others in this process: the same parser and the same exit)."""
     help_ = _cli("--help")
     flags = [flag for action in planner.parser()._actions for flag in action.option_strings]
     assert help_.returncode == 0 and len(flags) == 23 and all(flag in help_.stdout for flag in flags)
+    out = _cli("--frobnicate")
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr == "python -m mini_dist.planner: error: unrecognized arguments: --frobnicate\n", out.stderr
     for args, message in [(["--params", "7B", "--gpus", "0"], "gpus must be a whole number >= 1, got 0"),
                           (["--params", "7B", "--gpus", "8", "--tp", "3"], "dp x tp x pp x cp = 2 x 3 x 1 x 1"),
                           (["--params=-7B"], "params must be a whole number >= 1"),
@@ -115,9 +129,9 @@ def test_cli_has_help_and_says_every_mistake_in_one_line_with_exit_code_2():
                           (["--layers", "4"], "give all of --layers --hidden --heads or none"),
                           (["--params", "7B", "--serial", "2"], "serial fraction must lie in [0, 1]"),
                           (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'")]:
-        out = _cli(*args)
-        assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1, (args, out.stderr)
-        assert out.stderr.startswith("python -m mini_dist.planner: error: ") and message in out.stderr, out.stderr
+        code, stdout, stderr = in_process(args, capsys)
+        assert code == 2 and stdout == "" and stderr.count("\n") == 1, (args, stderr)
+        assert stderr.startswith("python -m mini_dist.planner: error: ") and message in stderr, stderr
 
 
 def test_question_21_holds_and_says_its_figure():
