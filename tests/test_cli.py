@@ -142,7 +142,7 @@ def test_run_sh_planner_help_is_the_planners_help():
 
 
 def test_run_sh_usage_error_is_one_short_line_not_torchruns_report():
-    module, (world, argv, word) = "tensor_parallel", BAD["tensor_parallel"]
+    module, (world, argv, _) = "tensor_parallel", BAD["tensor_parallel"]
     result = run_sh("demo", module, str(world), *argv)
     lines = (result.stdout + result.stderr).strip().splitlines()
     assert result.returncode == 2, result.stderr

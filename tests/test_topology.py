@@ -1,6 +1,5 @@
 """Topology-aware all-reduces against dist.all_reduce; their byte ledgers against their schedules; every
 exchange one batch (NCCL-safe); the simulated slow link; bad input on every rank."""
-import math
 import time
 
 import pytest

@@ -16,9 +16,6 @@ target in this run (a benchmark, not a unit test: the test suite stays free of t
 """
 from dataclasses import dataclass, field
 
-import torch
-import torch.distributed as dist
-
 from mini_dist.kit import launch
 from mini_dist.kit.timing import median, paired, quantile, timed  # noqa: F401  (the runner's)
 
