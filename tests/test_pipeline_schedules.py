@@ -31,6 +31,7 @@ def first_difference(ours: list, theirs: list) -> str:
 @pytest.mark.exercise(judges=("one_f_one_b_stage",))
 @pytest.mark.single_process
 @example(4, 8)
+@example(5, 2)  # M < P-s-1 on stages 0 and 1: a warm-up of P-s-1 would run forwards of microbatches that do not exist
 @given(st.integers(1, 8), st.integers(1, 16))
 def test_textbook_1f1b_warms_up_with_P_minus_s_minus_1_forwards_and_keeps_at_most_P_minus_s(P, M):
     """one_f_one_b_stage: each F and B once, in order; min(P-s, M) forwards before the first B, then F and B in turn
