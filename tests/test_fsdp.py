@@ -25,6 +25,9 @@ import torch.utils.checkpoint
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # at the top: a check's fork server imports
+# it once, before the ranks start; imported in a test, each rank would import it (half a second each)
 
 import fsdp_exercise
 import grading
@@ -69,8 +72,6 @@ def wrapped(model, mask):
 
 
 def native_fully_shard(model, mask, reshard, param_dtype=None, group=None):
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = DeviceMesh.from_group(group or dist.group.WORLD, device().type)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype)
     for m in wrapped(model, mask):
@@ -546,8 +547,6 @@ def cross_entropy(model, ids, targets):
 
 
 def ignored_norms_against_fully_shard(width, hidden):
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
     model = small_transformer(width, hidden)
     ours = FSDP(model, wrap=NormBlock, ignored_params=set(norms(model)))
     native = small_transformer(width, hidden)
@@ -705,8 +704,6 @@ def mixed_policy_model(width, seed=0):
 
 
 def per_unit_precision(width, opt):
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     data = batches(width, seed=width, dtype=torch.float32)
     model = mixed_policy_model(width)
     ours = FSDP(model, wrap={Block: torch.bfloat16, Norm: torch.float32}, param_dtype=torch.bfloat16)
