@@ -33,7 +33,7 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import cost_model, gpt_ledger, rank_ledger
 from mini_dist.expert_parallel import ExpertParallelMoE
-from mini_dist.kit import launch
+from mini_dist.kit import flags, launch
 from mini_dist.kit.measure import PeakSaved, side_by_side
 from mini_dist.kit.wire import LEDGER
 from mini_dist.mesh import Mesh, grid_for
@@ -137,18 +137,7 @@ def predictions(run: Run, cfg: Config, mesh: Mesh, microbatches: int, schedule: 
 # ----------------------------------------------------------------------------- demo
 
 def parser():
-    p = launch.demo_parser(__doc__)
-    for axis in ("dp", "pp", "cp", "tp"):
-        p.add_argument(f"--{axis}", type=int, help=f"{axis} degree (default: tp 2, cp 1, pp 2 if the world allows, "
-                                                   "dp the rest)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, a divisor of dp x cp (needs --moe)")
-    p.add_argument("--moe", type=int, default=0, help="E experts per block, top-2 routing (0: an MLP)")
-    p.add_argument("--microbatches", type=int, default=2, help="M per replica (the global batch: a multiple of dp x M)")
-    p.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b")
-    p.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
-    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="0 DDP, 1-2 ZeRO, 3 FSDP on dp x cp")
-    p.add_argument("--checkpoint", action="store_true", help="recompute each block in backward")
-    return p
+    return flags.grid_5d(launch.demo_parser(__doc__), SCHEDULES)
 
 
 def demo(args) -> int:

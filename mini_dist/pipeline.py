@@ -39,7 +39,7 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch, references
+from mini_dist.kit import flags, launch, references
 from mini_dist.kit.trace import span
 from mini_dist.kit.models import mlp
 from mini_dist.kit.wire import LEDGER, send_recv
@@ -247,17 +247,11 @@ def against_references(step, schedule: str, P: int, M: int, width: int) -> tuple
 
 
 def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step (at least P)")
-    p.add_argument("--width", type=int, default=24, help="features of every activation")
-    return p
+    return flags.pipeline(launch.demo_parser(__doc__))
 
 
 def demo(args) -> int:
-    P = launch.env_world_size()
-    M = args.microbatches
-    launch.require(args.width >= 1, "--width must be at least 1")
-    launch.require(M >= P, f"--microbatches must be at least the rank count, {P}: torch's Schedule1F1B refuses fewer")
+    P, M = flags.pipeline_sizes(args)
     launch.setup()
     launch.print0(f"P={P} M={M}, fp64, one step: the largest |difference| of loss and gradients from one process on "
                   f"the whole batch\n{'step':<6} | {'mini_dist':>9} | torch's")

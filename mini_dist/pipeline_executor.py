@@ -30,7 +30,7 @@ from torch import nn
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch, references
+from mini_dist.kit import flags, launch, references
 from mini_dist.kit import trace as tracing
 from mini_dist.kit.models import mlp
 from mini_dist.kit.wire import LEDGER
@@ -195,18 +195,13 @@ def against_references(name: str, plan: Schedule, width: int) -> tuple:
 
 
 def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step (at least P)")
+    p = flags.pipeline(launch.demo_parser(__doc__))
     p.add_argument("--chunks", type=int, default=2, help="v, model chunks per rank of the interleaved schedule")
-    p.add_argument("--width", type=int, default=24, help="features of every activation")
     return p
 
 
 def demo(args) -> int:
-    P = launch.env_world_size()
-    M = args.microbatches
-    launch.require(args.width >= 1, "--width must be at least 1")
-    launch.require(M >= P, f"--microbatches must be at least the rank count, {P}: torch's Schedule1F1B refuses fewer")
+    P, M = flags.pipeline_sizes(args)
     plans = schedules_for(SCHEDULES, P, M, args.chunks)
     launch.setup()
     launch.print0(f"P={P} M={M}, fp64, one step: the largest |difference| of loss and gradients from one process on "

@@ -42,7 +42,7 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.ddp import DistributedDataParallel
 from mini_dist.fsdp import FullyShardedDataParallel
-from mini_dist.kit import debug, launch
+from mini_dist.kit import debug, flags, launch
 from mini_dist.mesh import Mesh, grid_for
 from mini_dist.parallel_gpt import configuration_error as model_error, local_batch, parallel_model
 from mini_dist.pipeline_executor import pipeline_step
@@ -194,17 +194,7 @@ def configuration_error(cfg: Config, grid, microbatches: int, schedule: str, chu
 # ----------------------------------------------------------------------------- demo
 
 def parser():
-    p = launch.demo_parser(__doc__)
-    for axis in ("dp", "pp", "cp", "tp"):
-        p.add_argument(f"--{axis}", type=int, help=f"{axis} degree (default: tp 2, cp 1, pp 2 if the world allows, "
-                                                   "dp the rest)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, a divisor of dp x cp (needs --moe)")
-    p.add_argument("--moe", type=int, default=0, help="E experts per block, top-2 routing (0: an MLP)")
-    p.add_argument("--microbatches", type=int, default=2, help="M per replica (the global batch: a multiple of dp x M)")
-    p.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b")
-    p.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
-    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="0 DDP, 1-2 ZeRO, 3 FSDP on dp x cp")
-    p.add_argument("--checkpoint", action="store_true", help="recompute each block in backward")
+    p = flags.grid_5d(launch.demo_parser(__doc__), SCHEDULES)
     p.add_argument("--steps", type=int, default=4)
     for name in ("layers", "hidden", "heads", "seq"):
         p.add_argument(f"--{name}", type=int, default=getattr(Config, name), help=f"the model's {name}")

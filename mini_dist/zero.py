@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/zero.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch, models
+from mini_dist.kit import flags, launch, models
 from mini_dist.kit.wire import collective
 from mini_dist.ring_pipelined import ring_all_gather, ring_reduce_scatter
 
@@ -197,11 +197,7 @@ COLLECTIVES = {  # "ring": mini_dist/ring_pipelined.py, every byte counted in th
 # ----------------------------------------------------------------------------- demo
 
 def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--steps", type=int, default=3, help="Adam steps of the equivalence check (fp64)")
-    p.add_argument("--widths", type=int, nargs="+", default=[19, 60, 60],
-                   help="MLP widths; the default's N = 4,860 divides by K = 1..5: no padding")
-    return p
+    return flags.adam_check(launch.demo_parser(__doc__))
 
 
 def sharded_adam(stage: int, widths: list, steps: int):

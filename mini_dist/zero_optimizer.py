@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 if not __package__:  # run as `torchrun mini_dist/zero_optimizer.py`: Python put mini_dist/ on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch, models, wire
+from mini_dist.kit import flags, launch, models, wire
 from mini_dist.zero import COLLECTIVES, Partition, flatten_into_buffer, zero1_step, zero2_step
 
 
@@ -183,11 +183,7 @@ def _agree(params: list, stage: int, collectives: str, model: tuple, group) -> N
 
 
 def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--steps", type=int, default=3, help="Adam steps of the equivalence check (fp64)")
-    p.add_argument("--widths", type=int, nargs="+", default=[19, 60, 60],
-                   help="MLP widths; the default's N = 4,860 divides by K = 1..5: no padding")
-    return p
+    return flags.adam_check(launch.demo_parser(__doc__))
 
 
 def demo(args) -> int:

@@ -4,6 +4,8 @@ that must fail, named.
 Bodies fill the blanks of exercises/activation_checkpoint.py (kit/exercise.fill), keyed by the function they
 complete; tests/test_activation_checkpoint.py's MISTAKES names what each wrong one gets wrong.
 """
+from mini_dist.kit import exercise
+
 HINTS = {
     "ReentrantCheckpoint.forward": [
         "backward(ctx, grad) is given only ctx and the gradient: whatever it needs to run fn again, exactly as "
@@ -24,19 +26,10 @@ HINTS = {
     ],
 }
 
-REFERENCE_FORWARD = """
-    ctx.fn = fn
-    ctx.rng = rng_state(inputs)
-    ctx.save_for_backward(*inputs)
-    return fn(*inputs)
-"""
-REFERENCE_BACKWARD = """
-    inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
-    with replayed_rng(ctx.rng), torch.enable_grad():
-        output = ctx.fn(*inputs)
-    torch.autograd.backward(output, grad)
-    return None, *(x.grad for x in inputs)
-"""
+# a wrong solution keeps mini_dist's own code in the functions it does not get wrong
+REFERENCE = exercise.reference("activation_checkpoint")
+REFERENCE_FORWARD = exercise.answer(REFERENCE, "ReentrantCheckpoint.forward")
+REFERENCE_BACKWARD = exercise.answer(REFERENCE, "ReentrantCheckpoint.backward")
 
 RIGHT = {
     "forward under an explicit no_grad; backward with set_grad_enabled and output.backward": {

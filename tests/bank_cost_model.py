@@ -4,6 +4,8 @@ that must pass, and classic mistakes that must fail, named.
 Bodies fill the blanks of exercises/cost_model.py (kit/exercise.fill), keyed by the function they complete;
 tests/test_cost_model.py's MISTAKES names what each wrong one gets wrong.
 """
+from mini_dist.kit import exercise
+
 HINTS = {
     "bytes_per_param": [
         "Count what torch keeps for one parameter after optimizer.step(): the weight, its .grad, and whatever the "
@@ -73,18 +75,15 @@ RIGHT = {
     },
 }
 
-BYTES_PER_PARAM = """
-    weight, grad, master = PRECISIONS[precision]
-    return weight, grad, master + OPTIMIZERS[optimizer] * max(weight, 4)
-"""
+# a wrong solution keeps mini_dist's own code in the functions it does not get wrong
+REFERENCE = exercise.reference("cost_model")
+BYTES_PER_PARAM = exercise.answer(REFERENCE, "bytes_per_param")
 MODEL_STATE_BYTES = """
     w, g, o = bytes_per_param(precision, optimizer)
     s = shard(numel, k)
     return w * (s if zero >= 3 else numel), g * (s if zero >= 2 else numel), o * (s if zero >= 1 else numel)
 """
-COLLECTIVE_BYTES = """
-    return (2 if kind == "all_reduce" else 1) * (k - 1) * shard(numel, k) * elem_size
-"""
+COLLECTIVE_BYTES = exercise.answer(REFERENCE, "collective_bytes")
 
 WRONG = {
     "Adam's m and v counted at the weights' size (bf16: 2 bytes each)": ("bytes from the wrong dtype", {

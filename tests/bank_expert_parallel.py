@@ -4,6 +4,8 @@ fail, named.
 Bodies fill the blanks of exercises/expert_parallel.py (kit/exercise.fill), keyed by the function they complete;
 tests/ep_exercise.py's MISTAKES names what each wrong one gets wrong.
 """
+from mini_dist.kit import exercise
+
 HINTS = {
     "dispatch": [
         "Three things travel. First each rank must learn how many rows every other rank will send it, for each of "
@@ -31,21 +33,10 @@ HINTS = {
     ],
 }
 
-REFERENCE_DISPATCH = """
-    W = dist.get_world_size(group)
-    t, j = routing.keep.nonzero(as_tuple=True)
-    order = routing.expert[t, j].argsort(stable=True)
-    t = t[order]
-    j = j[order]
-    sent = torch.bincount(routing.expert[t, j], minlength=num_experts).view(W, -1)
-    got = transport(torch.empty_like(sent), sent, [1] * W, [1] * W, group)
-    plan = Plan(t, j, sent.sum(1).tolist(), got.sum(1).tolist())
-    return comm.all_to_all_rows(tokens[t], plan.sent, plan.received, group, transport), got, plan
-"""
-REFERENCE_COMBINE = """
-    back = comm.all_to_all_rows(out, plan.received, plan.sent, group, transport)
-    return out.new_zeros((n, out.shape[1])).index_add(0, plan.token, weight[plan.token, plan.choice, None] * back)
-"""
+# a wrong solution keeps mini_dist's own code in the functions it does not get wrong
+REFERENCE = exercise.reference("expert_parallel")
+REFERENCE_DISPATCH = exercise.answer(REFERENCE, "dispatch")
+REFERENCE_COMBINE = exercise.answer(REFERENCE, "combine")
 
 RIGHT = {
     "sorted by expert, bincount, index_add (mini_dist's)": {

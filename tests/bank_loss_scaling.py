@@ -3,6 +3,8 @@
 Bodies fill the blanks of exercises/loss_scaling.py (kit/exercise.fill), keyed by the function they complete;
 tests/loss_scaling_exercise.py's MISTAKES names what each wrong one gets wrong.
 """
+from mini_dist.kit import exercise
+
 HINTS = {
     "DynamicLossScaler.update": [
         "Two cases: this iteration's gradients overflowed, or they did not. An overflow says S is too large: "
@@ -25,23 +27,10 @@ HINTS = {
     ],
 }
 
-REFERENCE_UPDATE = """
-    if overflow:
-        self._scale = to_float32(self._scale * self.backoff_factor)
-        self._growth_tracker = 0
-    else:
-        self._growth_tracker += 1
-        if self._growth_tracker == self.growth_interval:
-            grown = to_float32(self._scale * self.growth_factor)
-            if math.isfinite(grown):
-                self._scale = grown
-            self._growth_tracker = 0
-"""
-REFERENCE_STEP = """
-    if id(optimizer) not in self._found_inf:
-        self.unscale_(optimizer)
-    return None if self._found_inf[id(optimizer)] else optimizer.step(*args, **kwargs)
-"""
+# a wrong solution keeps mini_dist's own code in the functions it does not get wrong
+REFERENCE = exercise.reference("loss_scaling")
+REFERENCE_UPDATE = exercise.answer(REFERENCE, "DynamicLossScaler.update")
+REFERENCE_STEP = exercise.answer(REFERENCE, "DynamicLossScaler.step")
 
 RIGHT = {
     "a counter compared with the interval, with early returns": {

@@ -4,6 +4,8 @@ mistakes that must fail, named.
 Bodies fill the blanks of exercises/mesh.py (kit/exercise.fill), keyed by the function they complete;
 tests/test_mesh.py's MISTAKES names what each wrong one gets wrong.
 """
+from mini_dist.kit import exercise
+
 HINTS = {
     "RankGrid.rank": [
         "Count the places as a car's odometer counts: the tp wheel turns every step, the cp wheel each time tp comes "
@@ -75,23 +77,11 @@ RIGHT = {
     },
 }
 
-COORDS = """
-    tp = rank % self.tp
-    cp = rank // self.tp % self.cp
-    pp = rank // (self.tp * self.cp) % self.pp
-    dp = rank // (self.tp * self.cp * self.pp)
-    f = dp * self.cp + cp
-    return {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "ep_index": f % self.ep, "ep_replica": f // self.ep}
-"""
-RANK = """
-    return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
-"""
-GROUPS = """
-    found = {}
-    for r in range(self.size):
-        found.setdefault(tuple(self.coords(r)[c] for c in SHARED[name]), []).append(r)
-    return list(found.values())
-"""
+# a wrong solution keeps mini_dist's own code in the functions it does not get wrong
+REFERENCE = exercise.reference("mesh")
+COORDS = exercise.answer(REFERENCE, "RankGrid.coords")
+RANK = exercise.answer(REFERENCE, "RankGrid.rank")
+GROUPS = exercise.answer(REFERENCE, "RankGrid.groups")
 
 WRONG = {
     "the ranks counted with dp fastest, tp slowest": ("axes in the wrong order", {

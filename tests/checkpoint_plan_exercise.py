@@ -48,6 +48,7 @@ BOX_B = ((2, 0), (2, 3))
 
 
 def at(offsets, lengths) -> tuple:
+    """The box (offsets, lengths) as an index into its tensor."""
     return tuple(slice(o, o + n) for o, n in zip(offsets, lengths))
 
 

@@ -81,6 +81,17 @@ def subgroup(ranks) -> object:
     return _groups[key]
 
 
+def refusal(module, world: int, argv: list, monkeypatch, capsys) -> list[str]:
+    """What a demo prints to stderr when rank 0 of `world` is given `argv`; it must exit 2, refused before it joins
+    any process group (were it accepted, joining a group of absent ranks would fail fast: a 3 s timeout)."""
+    import torch.distributed as dist
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MINI_DIST_TIMEOUT", "3")
+    assert launch.main(module.parser(), module.demo, argv) == 2 and not dist.is_initialized()
+    return capsys.readouterr().err.strip().splitlines()
+
+
 # ----- commands the tests start: torchrun, run.sh, a learner's check -----
 
 def command(args: list, timeout: float = 900, **kwargs) -> "subprocess.CompletedProcess":

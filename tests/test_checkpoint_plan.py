@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import checkpoint_plan_exercise as judge
 from checkpoint_plan_exercise import MISTAKES  # noqa: F401  (the exercise's, declared beside its judge)
+from checkpoint_plan_exercise import at, manifest_of
 from harness import device
 from mini_dist import checkpoint_plan  # looked up at call time: an exercise swaps in a learner's module
 from mini_dist.checkpoint_plan import Sharded
@@ -30,19 +31,6 @@ def grid(shape: tuple, parts: tuple) -> list:
     """Boxes (offsets, lengths) cutting `shape` into parts[d] along each dim d, every combination once."""
     per_dim = [cuts(n, k) for n, k in zip(shape, parts)]
     return [(tuple(lo for lo, _ in box), tuple(hi - lo for lo, hi in box)) for box in itertools.product(*per_dim)]
-
-
-def index(offsets, lengths) -> tuple:
-    """The box (offsets, lengths) as an index into its tensor."""
-    return tuple(slice(o, o + n) for o, n in zip(offsets, lengths))
-
-
-def manifest_of(whole: torch.Tensor, boxes: list) -> dict:
-    """The part of a manifest the planner reads, each piece keeping its data beside it (no file)."""
-    pieces = [{"name": "w", "offsets": list(o), "lengths": list(n), "data": whole[index(o, n)]}
-              for o, n in boxes if prod(n) > 0]  # as checkpoint.save: an empty box writes no piece
-    name = str(whole.dtype).removeprefix("torch.")
-    return {"tensors": {"w": [list(whole.shape), name]}, "objects": {"step": "7"}, "pieces": pieces}
 
 
 shapes = st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple)
@@ -77,7 +65,7 @@ def test_every_wanted_box_is_filled_bit_for_bit_from_exactly_the_saved_boxes_it_
                              if overlap(offsets, lengths, p["offsets"], p["lengths"]))
         assert read == overlapping, (f"{where} reads the saved boxes at {read}, not those it shares an element "
                                      f"with, each once: {overlapping}\n{judge.plan_mistake() or judge.CONTRACT}")
-        want = whole[index(offsets, lengths)]
+        want = whole[at(offsets, lengths)]
         if not torch.equal(box, want):
             first = tuple((box != want).nonzero()[0].tolist())
             element = [o + a for o, a in zip(offsets, first)]

@@ -3,11 +3,9 @@ train_5d run's, bit for bit), each rank's bytes per axis and memory by category 
 (mini_dist/rank_ledger.py), and the demo refuses a configuration it cannot run in one line. The same comparison
 on every factorisation of 1, 2 and 4 ranks, every ZeRO stage and schedule, is tests/test_train_5d.py's."""
 import pytest
-import torch.distributed as dist
 
-from harness import run
+from harness import refusal, run
 from mini_dist import measure_5d, train_5d
-from mini_dist.kit import launch
 from mini_dist.mesh import Mesh, RankGrid
 from mini_dist.tiny_gpt import Config, padded_vocab
 
@@ -43,9 +41,5 @@ def test_measuring_changes_nothing_and_every_rank_measures_its_ledger(grid, expe
     (4, ["--dp", "3", "--tp", "2"], "--dp 3 x --tp 2 = 6 does not divide the world of 4 ranks"),
     (2, ["--pp", "2", "--tp", "1", "--microbatches", "0"], "--microbatches and --chunks must be >= 1")])
 def test_a_configuration_that_cannot_run_is_one_line_before_any_process_group(world, argv, says, monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("MINI_DIST_TIMEOUT", "3")  # were it accepted, joining a group of absent ranks fails fast
-    assert launch.main(measure_5d.parser(), measure_5d.demo, argv) == 2 and not dist.is_initialized()
-    err = capsys.readouterr().err.strip().splitlines()
+    err = refusal(measure_5d, world, argv, monkeypatch, capsys)
     assert len(err) == 1 and says in err[0], err

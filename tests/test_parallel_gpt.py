@@ -21,9 +21,8 @@ from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from grading import mistake
-from harness import device, run
+from harness import device, refusal, run
 from mini_dist import parallel_gpt
-from mini_dist.kit import launch
 from mini_dist.mesh import Mesh, RankGrid
 from mini_dist.parallel_gpt import configuration_error
 from mini_dist.tiny_gpt import Config, dense_model, get_batch, padded_vocab, tiny_gpt
@@ -270,11 +269,7 @@ def test_a_model_that_cannot_be_cut_is_named_with_what_to_change(grid, cfg, says
     (4, ["--tp", "4", "--moe", "4", "--ep", "2"], "--ep 2 must divide dp x cp = 1 x 1 = 1")])
 def test_the_demo_refuses_a_configuration_in_one_line_before_any_process_group(world, argv, says, monkeypatch,
                                                                               capsys):
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("MINI_DIST_TIMEOUT", "3")  # were it accepted, joining a group of absent ranks fails fast
-    assert launch.main(parallel_gpt.parser(), parallel_gpt.demo, argv) == 2 and not dist.is_initialized()
-    err = capsys.readouterr().err.strip().splitlines()
+    err = refusal(parallel_gpt, world, argv, monkeypatch, capsys)
     assert len(err) == 1 and says in err[0], err
 
 

@@ -172,13 +172,17 @@ class ShrinksAfterTheFirstCall(nn.Module):
         return x if self.calls == 1 else x[:-1]
 
 
-def step_with_a_shrinking_first_stage():
+def step_with_one_odd_stage(odd_rank: int, odd_stage: nn.Module, schedule: str, M: int):
+    """One pipeline step of Linear(2, 2) stages, on 4 rows, where rank odd_rank runs odd_stage instead."""
     P = dist.get_world_size()
-    s = dist.get_rank()
-    stage = ShrinksAfterTheFirstCall() if s == 0 else nn.Linear(2, 2).to(device())
+    stage = odd_stage if dist.get_rank() == odd_rank else nn.Linear(2, 2).to(device())
     x = torch.randn(4, 2, device=device())
     y = torch.randn(4, 2, device=device())
-    return pipeline_step(stage, SCHEDULES["gpipe"](P, 2), x, y, nn.MSELoss())[0]
+    return pipeline_step(stage, SCHEDULES[schedule](P, M), x, y, nn.MSELoss())[0]
+
+
+def step_with_a_shrinking_first_stage():
+    return step_with_one_odd_stage(0, ShrinksAfterTheFirstCall(), "gpipe", 2)
 
 
 def test_in_debug_mode_a_receiver_names_the_sender_of_a_message_it_did_not_expect():
@@ -199,12 +203,7 @@ class VanishesOnItsSecondForward(nn.Module):
 
 
 def step_where_rank_1_vanishes():
-    P = dist.get_world_size()
-    s = dist.get_rank()
-    stage = VanishesOnItsSecondForward() if s == 1 else nn.Linear(2, 2).to(device())
-    x = torch.randn(4, 2, device=device())
-    y = torch.randn(4, 2, device=device())
-    return pipeline_step(stage, SCHEDULES["1f1b"](P, 4), x, y, nn.MSELoss())[0]
+    return step_with_one_odd_stage(1, VanishesOnItsSecondForward(), "1f1b", 4)
 
 
 def test_a_neighbour_that_vanishes_mid_step_is_named_by_the_ranks_waiting_for_it():

@@ -176,11 +176,16 @@ def assert_judged(results, agreed):
     assert differ is None, differ
 
 
+def linear_layer_cases(test):
+    """The cases a parallel linear layer is graded on: a small one first (graded without shrinking), then drawn."""
+    small = example(T_world=(2, 2), batch=1, seq=2, in_k=2, out_k=3, seed=0)
+    drawn = given(worlds_and_sizes, st.integers(1, 2), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3),
+                  st.integers(0, 2**16))
+    return settings(max_examples=10)(drawn(small(test)))
+
+
 @pytest.mark.exercise(judges=("column_parallel_linear",))
-@settings(max_examples=10)
-@given(worlds_and_sizes, st.integers(1, 2), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3),
-       st.integers(0, 2**16))
-@example(T_world=(2, 2), batch=1, seq=2, in_k=2, out_k=3, seed=0)  # first: a small case, graded without shrinking
+@linear_layer_cases
 def test_column_parallel_linear_is_f_then_my_columns(T_world, batch, seq, in_k, out_k, seed):
     """column_parallel_linear: my out/T columns of nn.Linear(x); x.grad the whole dL/dx, the same bits on every rank
 
@@ -192,10 +197,7 @@ def test_column_parallel_linear_is_f_then_my_columns(T_world, batch, seq, in_k, 
 
 
 @pytest.mark.exercise(judges=("row_parallel_linear",))
-@settings(max_examples=10)
-@given(worlds_and_sizes, st.integers(1, 2), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3),
-       st.integers(0, 2**16))
-@example(T_world=(2, 2), batch=1, seq=2, in_k=2, out_k=3, seed=0)  # first: a small case, graded without shrinking
+@linear_layer_cases
 def test_row_parallel_linear_is_my_rows_then_g_then_the_bias_once(T_world, batch, seq, in_k, out_k, seed):
     """row_parallel_linear: all of nn.Linear(x) from my in/T features, the same bits on every rank; bias.grad all of it
 

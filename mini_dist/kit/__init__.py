@@ -1,6 +1,7 @@
 """The kit: what every concept module may import, and nothing else of mini_dist's below it.
 
     launch   torchrun's environment -> a process group with a timeout; the demo command line
+    flags    command-line flags several demos share (an Adam check, a pipeline step, a 5D grid)
     wire     every message (send, receive, a batch of them), waited for, a lost peer named; the one byte
              ledger that messages and collectives are counted in
     debug    ranks that disagree (named before the collective runs) or vanish (named by their peers)

@@ -78,6 +78,16 @@ def raise_lines(module: str, region: Region) -> list[str]:
     return [f"{region.indent}raise NotImplementedError(", *body[:-1], body[-1] + ")"]
 
 
+def answer(source: str, function: str) -> str:
+    """The reference's own code in the region of `function`, its contract left out (a bank's wrong solution
+    keeps it for the functions it does not get wrong)."""
+    region = next(r for r in regions(source) if r.function == function)
+    body = source.splitlines()[region.first + 1:region.last]
+    while body and MORE.match(body[0]):
+        body = body[1:]
+    return "\n".join(body)
+
+
 def blank(source: str, module: str) -> str:
     """The exercise: each region's lines (contract and reference body) replaced by its NotImplementedError."""
     lines = source.splitlines()

@@ -34,7 +34,7 @@ import sys
 import textwrap
 
 if __package__:
-    from mini_dist.kit.blanks import blank, blanks, fill, function_at, regions  # noqa: F401  (the tests' too)
+    from mini_dist.kit.blanks import answer, blank, blanks, fill, function_at, regions  # noqa: F401  (tests' too)
 else:  # run as a script by run.sh, with this folder on the path: nothing imports mini_dist.kit, nor torch
     from blanks import blank, blanks, fill, function_at, regions  # noqa: F401
 

@@ -1,0 +1,46 @@
+"""Command-line flags that several demos share, so that the same flag means the same thing in each of them.
+
+    adam_check   --steps and --widths of an fp64 Adam run checked against PyTorch (zero, zero_optimizer)
+    pipeline     --microbatches and --width of a pipeline step checked against one process (pipeline,
+                 pipeline_executor); pipeline_sizes reads them back as P and M, refused where torch refuses
+    grid_5d      a 5D run: the mesh's degrees, experts, microbatches, schedule, ZeRO stage (train_5d, measure_5d)
+"""
+import argparse
+
+from mini_dist.kit import launch
+
+
+def adam_check(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--steps", type=int, default=3, help="Adam steps of the equivalence check (fp64)")
+    p.add_argument("--widths", type=int, nargs="+", default=[19, 60, 60],
+                   help="MLP widths; the default's N = 4,860 divides by K = 1..5: no padding")
+    return p
+
+
+def pipeline(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step (at least P)")
+    p.add_argument("--width", type=int, default=24, help="features of every activation")
+    return p
+
+
+def pipeline_sizes(args) -> tuple[int, int]:
+    """P, the pipeline's ranks, and M, its microbatches: M >= P, as torch's Schedule1F1B asks."""
+    P = launch.env_world_size()
+    M = args.microbatches
+    launch.require(args.width >= 1, "--width must be at least 1")
+    launch.require(M >= P, f"--microbatches must be at least the rank count, {P}: torch's Schedule1F1B refuses fewer")
+    return P, M
+
+
+def grid_5d(p: argparse.ArgumentParser, schedules) -> argparse.ArgumentParser:
+    for axis in ("dp", "pp", "cp", "tp"):
+        p.add_argument(f"--{axis}", type=int, help=f"{axis} degree (default: tp 2, cp 1, pp 2 if the world allows, "
+                                                   "dp the rest)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, a divisor of dp x cp (needs --moe)")
+    p.add_argument("--moe", type=int, default=0, help="E experts per block, top-2 routing (0: an MLP)")
+    p.add_argument("--microbatches", type=int, default=2, help="M per replica (the global batch: a multiple of dp x M)")
+    p.add_argument("--schedule", choices=tuple(schedules), default="1f1b")
+    p.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="0 DDP, 1-2 ZeRO, 3 FSDP on dp x cp")
+    p.add_argument("--checkpoint", action="store_true", help="recompute each block in backward")
+    return p
