@@ -5,6 +5,7 @@ Bodies fill the blanks of exercises/activation_checkpoint.py (kit/exercise.fill)
 complete; tests/test_activation_checkpoint.py's MISTAKES names what each wrong one gets wrong.
 """
 from mini_dist.kit import exercise
+from mini_dist.kit.exercise import planted
 
 HINTS = {
     "ReentrantCheckpoint.forward": [
@@ -26,10 +27,7 @@ HINTS = {
     ],
 }
 
-# a wrong solution keeps mini_dist's own code in the functions it does not get wrong
-REFERENCE = exercise.reference("activation_checkpoint")
-REFERENCE_FORWARD = exercise.answer(REFERENCE, "ReentrantCheckpoint.forward")
-REFERENCE_BACKWARD = exercise.answer(REFERENCE, "ReentrantCheckpoint.backward")
+OWN = exercise.answers("activation_checkpoint")  # mini_dist's code, kept by a wrong solution where it is not wrong
 
 RIGHT = {
     "forward under an explicit no_grad; backward with set_grad_enabled and output.backward": {
@@ -70,111 +68,62 @@ RIGHT = {
     },
 }
 
+FORWARD = OWN["ReentrantCheckpoint.forward"]
+BACKWARD = OWN["ReentrantCheckpoint.backward"]
+# the lines of BACKWARD the wrong solutions below plant their mistakes in
+DETACHED = "inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]"
+RERUN = "with replayed_rng(ctx.rng), torch.enable_grad():"
+RETURNED = "return None, *(x.grad for x in inputs)"
+
 WRONG = {
     "the rerun outside replayed_rng: dropout draws new masks": ("dropout's randomness not replayed", {
-        "ReentrantCheckpoint.forward": REFERENCE_FORWARD,
-        "ReentrantCheckpoint.backward": """
-            inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
-            with torch.enable_grad():
-                output = ctx.fn(*inputs)
-            torch.autograd.backward(output, grad)
-            return None, *(x.grad for x in inputs)
-        """,
+        "ReentrantCheckpoint.forward": FORWARD,
+        "ReentrantCheckpoint.backward": planted(BACKWARD, {RERUN: "with torch.enable_grad():"}),
     }),
     "the RNG state taken after fn has drawn forward's masks": ("dropout's randomness not replayed", {
-        "ReentrantCheckpoint.forward": """
-            ctx.fn = fn
-            ctx.save_for_backward(*inputs)
-            output = fn(*inputs)
-            ctx.rng = rng_state(inputs)
-            return output
-        """,
-        "ReentrantCheckpoint.backward": REFERENCE_BACKWARD,
+        "ReentrantCheckpoint.forward": planted(FORWARD, {
+            "ctx.rng = rng_state(inputs)": "",
+            "return fn(*inputs)": "output = fn(*inputs)\nctx.rng = rng_state(inputs)\nreturn output"}),
+        "ReentrantCheckpoint.backward": BACKWARD,
     }),
     "the rerun under backward's own grad mode (off)": ("recomputed without grad", {
-        "ReentrantCheckpoint.forward": REFERENCE_FORWARD,
-        "ReentrantCheckpoint.backward": """
-            inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
-            with replayed_rng(ctx.rng):
-                output = ctx.fn(*inputs)
-            torch.autograd.backward(output, grad)
-            return None, *(x.grad for x in inputs)
-        """,
+        "ReentrantCheckpoint.forward": FORWARD,
+        "ReentrantCheckpoint.backward": planted(BACKWARD, {RERUN: "with replayed_rng(ctx.rng):"}),
     }),
     "None returned for every input: the gradients left on the detached copies": ("inputs' gradients not returned", {
-        "ReentrantCheckpoint.forward": REFERENCE_FORWARD,
-        "ReentrantCheckpoint.backward": """
-            inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
-            with replayed_rng(ctx.rng), torch.enable_grad():
-                output = ctx.fn(*inputs)
-            torch.autograd.backward(output, grad)
-            return (None,) * (1 + len(inputs))
-        """,
+        "ReentrantCheckpoint.forward": FORWARD,
+        "ReentrantCheckpoint.backward": planted(BACKWARD, {RETURNED: "return (None,) * (1 + len(inputs))"}),
     }),
     "the rerun on the inputs themselves, None returned: the input's .grad written only as a side effect": (
         "inputs' gradients not returned", {
-            "ReentrantCheckpoint.forward": REFERENCE_FORWARD,
-            "ReentrantCheckpoint.backward": """
-                inputs = ctx.saved_tensors
-                with replayed_rng(ctx.rng), torch.enable_grad():
-                    output = ctx.fn(*inputs)
-                torch.autograd.backward(output, grad)
-                return None, *(None for x in inputs)
-            """,
+            "ReentrantCheckpoint.forward": FORWARD,
+            "ReentrantCheckpoint.backward": planted(BACKWARD, {
+                DETACHED: "inputs = ctx.saved_tensors",
+                RETURNED: "return None, *(None for x in inputs)"}),
         }),
     "the inputs' gradients returned without fn's None": ("not one gradient per forward argument", {
-        "ReentrantCheckpoint.forward": REFERENCE_FORWARD,
-        "ReentrantCheckpoint.backward": """
-            inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
-            with replayed_rng(ctx.rng), torch.enable_grad():
-                output = ctx.fn(*inputs)
-            torch.autograd.backward(output, grad)
-            return tuple(x.grad for x in inputs)
-        """,
+        "ReentrantCheckpoint.forward": FORWARD,
+        "ReentrantCheckpoint.backward": planted(BACKWARD, {RETURNED: "return tuple(x.grad for x in inputs)"}),
     }),
     "forward runs fn with grad on: its activations saved as without checkpointing": ("whole activation kept", {
-        "ReentrantCheckpoint.forward": """
-            ctx.fn = fn
-            ctx.rng = rng_state(inputs)
-            ctx.save_for_backward(*inputs)
-            with torch.enable_grad():
-                return fn(*inputs)
-        """,
-        "ReentrantCheckpoint.backward": REFERENCE_BACKWARD,
+        "ReentrantCheckpoint.forward": planted(FORWARD, {
+            "return fn(*inputs)": "with torch.enable_grad():\n    return fn(*inputs)"}),
+        "ReentrantCheckpoint.backward": BACKWARD,
     }),
     "the rerun on ctx.saved_tensors themselves: each input's gradient counted twice": (
         "rerun on the inputs themselves, not detached copies", {
-            "ReentrantCheckpoint.forward": REFERENCE_FORWARD,
-            "ReentrantCheckpoint.backward": """
-                inputs = ctx.saved_tensors
-                with replayed_rng(ctx.rng), torch.enable_grad():
-                    output = ctx.fn(*inputs)
-                torch.autograd.backward(output, grad)
-                return None, *(x.grad for x in inputs)
-            """,
+            "ReentrantCheckpoint.forward": FORWARD,
+            "ReentrantCheckpoint.backward": planted(BACKWARD, {DETACHED: "inputs = ctx.saved_tensors"}),
         }),
     "torch.autograd.grad for the inputs alone: the weights' .grad never written": ("weights' .grad not accumulated", {
-        "ReentrantCheckpoint.forward": REFERENCE_FORWARD,
-        "ReentrantCheckpoint.backward": """
-            inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
-            with replayed_rng(ctx.rng), torch.enable_grad():
-                output = ctx.fn(*inputs)
-            return None, *torch.autograd.grad(output, inputs, grad)
-        """,
+        "ReentrantCheckpoint.forward": FORWARD,
+        "ReentrantCheckpoint.backward": planted(BACKWARD, {
+            "torch.autograd.backward(output, grad)": "",
+            RETURNED: "return None, *torch.autograd.grad(output, inputs, grad)"}),
     }),
     "the inputs put on ctx as an attribute, out of autograd's sight": ("inputs kept beside autograd", {
-        "ReentrantCheckpoint.forward": """
-            ctx.fn = fn
-            ctx.rng = rng_state(inputs)
-            ctx.inputs = inputs
-            return fn(*inputs)
-        """,
-        "ReentrantCheckpoint.backward": """
-            inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.inputs]
-            with replayed_rng(ctx.rng), torch.enable_grad():
-                output = ctx.fn(*inputs)
-            torch.autograd.backward(output, grad)
-            return None, *(x.grad for x in inputs)
-        """,
+        "ReentrantCheckpoint.forward": planted(FORWARD, {"ctx.save_for_backward(*inputs)": "ctx.inputs = inputs"}),
+        "ReentrantCheckpoint.backward": planted(BACKWARD, {
+            DETACHED: "inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.inputs]"}),
     }),
 }

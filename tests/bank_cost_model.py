@@ -75,15 +75,12 @@ RIGHT = {
     },
 }
 
-# a wrong solution keeps mini_dist's own code in the functions it does not get wrong
-REFERENCE = exercise.reference("cost_model")
-BYTES_PER_PARAM = exercise.answer(REFERENCE, "bytes_per_param")
+OWN = exercise.answers("cost_model")  # mini_dist's code, kept by a wrong solution where it is not wrong
 MODEL_STATE_BYTES = """
     w, g, o = bytes_per_param(precision, optimizer)
     s = shard(numel, k)
     return w * (s if zero >= 3 else numel), g * (s if zero >= 2 else numel), o * (s if zero >= 1 else numel)
 """
-COLLECTIVE_BYTES = exercise.answer(REFERENCE, "collective_bytes")
 
 WRONG = {
     "Adam's m and v counted at the weights' size (bf16: 2 bytes each)": ("bytes from the wrong dtype", {
@@ -92,7 +89,7 @@ WRONG = {
             return weight, grad, master + OPTIMIZERS[optimizer] * weight
         """,
         "model_state_bytes": MODEL_STATE_BYTES,
-        "collective_bytes": COLLECTIVE_BYTES,
+        "collective_bytes": OWN["collective_bytes"],
     }),
     "the state counted without the fp32 master weights": ("master copy left out", {
         "bytes_per_param": """
@@ -100,7 +97,7 @@ WRONG = {
             return weight, grad, OPTIMIZERS[optimizer] * max(weight, 4)
         """,
         "model_state_bytes": MODEL_STATE_BYTES,
-        "collective_bytes": COLLECTIVE_BYTES,
+        "collective_bytes": OWN["collective_bytes"],
     }),
     "an fp32 master copy counted for every precision, fp32 weights too": ("a master copy of fp32 weights", {
         "bytes_per_param": """
@@ -108,35 +105,35 @@ WRONG = {
             return weight, grad, 4 + OPTIMIZERS[optimizer] * max(weight, 4)
         """,
         "model_state_bytes": MODEL_STATE_BYTES,
-        "collective_bytes": COLLECTIVE_BYTES,
+        "collective_bytes": OWN["collective_bytes"],
     }),
     "ZeRO-1 taken to shard the gradients, ZeRO-2 the optimizer state": ("sharded at the wrong stage", {
-        "bytes_per_param": BYTES_PER_PARAM,
+        "bytes_per_param": OWN["bytes_per_param"],
         "model_state_bytes": """
             w, g, o = bytes_per_param(precision, optimizer)
             s = shard(numel, k)
             return w * (s if zero >= 3 else numel), g * (s if zero >= 1 else numel), o * (s if zero >= 2 else numel)
         """,
-        "collective_bytes": COLLECTIVE_BYTES,
+        "collective_bytes": OWN["collective_bytes"],
     }),
     "a rank's shard of the parameters as numel // k": ("chunk not rounded up", {
-        "bytes_per_param": BYTES_PER_PARAM,
+        "bytes_per_param": OWN["bytes_per_param"],
         "model_state_bytes": """
             w, g, o = bytes_per_param(precision, optimizer)
             s = numel // k
             return w * (s if zero >= 3 else numel), g * (s if zero >= 2 else numel), o * (s if zero >= 1 else numel)
         """,
-        "collective_bytes": COLLECTIVE_BYTES,
+        "collective_bytes": OWN["collective_bytes"],
     }),
     "a ring step's chunk as numel // k": ("chunk not rounded up", {
-        "bytes_per_param": BYTES_PER_PARAM,
+        "bytes_per_param": OWN["bytes_per_param"],
         "model_state_bytes": MODEL_STATE_BYTES,
         "collective_bytes": """
             return (2 if kind == "all_reduce" else 1) * (k - 1) * (numel // k) * elem_size
         """,
     }),
     "(k-1)/k of the buffer as it is, not padded to k whole chunks": ("chunk not rounded up", {
-        "bytes_per_param": BYTES_PER_PARAM,
+        "bytes_per_param": OWN["bytes_per_param"],
         "model_state_bytes": MODEL_STATE_BYTES,
         "collective_bytes": """
             phase = (k - 1) * numel * elem_size // k
@@ -144,14 +141,14 @@ WRONG = {
         """,
     }),
     "every collective counted as one phase of k-1 steps": ("all-reduce counted once", {
-        "bytes_per_param": BYTES_PER_PARAM,
+        "bytes_per_param": OWN["bytes_per_param"],
         "model_state_bytes": MODEL_STATE_BYTES,
         "collective_bytes": """
             return (k - 1) * shard(numel, k) * elem_size
         """,
     }),
     "a ring phase of k steps, each rank sending its own chunk too": ("k steps instead of k-1", {
-        "bytes_per_param": BYTES_PER_PARAM,
+        "bytes_per_param": OWN["bytes_per_param"],
         "model_state_bytes": MODEL_STATE_BYTES,
         "collective_bytes": """
             return (2 if kind == "all_reduce" else 1) * k * shard(numel, k) * elem_size

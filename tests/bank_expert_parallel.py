@@ -5,6 +5,7 @@ Bodies fill the blanks of exercises/expert_parallel.py (kit/exercise.fill), keye
 tests/ep_exercise.py's MISTAKES names what each wrong one gets wrong.
 """
 from mini_dist.kit import exercise
+from mini_dist.kit.exercise import planted
 
 HINTS = {
     "dispatch": [
@@ -33,15 +34,12 @@ HINTS = {
     ],
 }
 
-# a wrong solution keeps mini_dist's own code in the functions it does not get wrong
-REFERENCE = exercise.reference("expert_parallel")
-REFERENCE_DISPATCH = exercise.answer(REFERENCE, "dispatch")
-REFERENCE_COMBINE = exercise.answer(REFERENCE, "combine")
+OWN = exercise.answers("expert_parallel")  # mini_dist's code, kept by a wrong solution where it is not wrong
 
 RIGHT = {
     "sorted by expert, bincount, index_add (mini_dist's)": {
-        "dispatch": REFERENCE_DISPATCH,
-        "combine": REFERENCE_COMBINE,
+        "dispatch": OWN["dispatch"],
+        "combine": OWN["combine"],
     },
     "expert by expert, newest token first; counts flat; index_put with accumulate": {
         "dispatch": """
@@ -66,117 +64,65 @@ RIGHT = {
     },
 }
 
+# the lines of mini_dist's own dispatch and combine the wrong solutions below plant their mistakes in
+KEPT = "t, j = routing.keep.nonzero(as_tuple=True)"
+COUNTED = "sent = torch.bincount(routing.expert[t, j], minlength=num_experts).view(W, -1)"
+EXCHANGED = "got = transport(torch.empty_like(sent), sent, [1] * W, [1] * W, group)"
+PLAN = "plan = Plan(t, j, sent.sum(1).tolist(), got.sum(1).tolist())"
+SENT = "return comm.all_to_all_rows(tokens[t], plan.sent, plan.received, group, transport), got, plan"
+BACK = "back = comm.all_to_all_rows(out, plan.received, plan.sent, group, transport)"
+ADDED = "return out.new_zeros((n, out.shape[1])).index_add(0, plan.token, weight[plan.token, plan.choice, None] * back)"
+
 WRONG = {
     "expert e on rank e % W": ("experts numbered across ranks wrongly", {
-        "dispatch": """
-            W = dist.get_world_size(group)
-            t, j = routing.keep.nonzero(as_tuple=True)
-            e = routing.expert[t, j]
-            slot = (e % W) * (num_experts // W) + e // W
-            order = slot.argsort(stable=True)
-            t = t[order]
-            j = j[order]
-            sent = torch.bincount(slot[order], minlength=num_experts).view(W, -1)
-            got = transport(torch.empty_like(sent), sent, [1] * W, [1] * W, group)
-            plan = Plan(t, j, sent.sum(1).tolist(), got.sum(1).tolist())
-            return comm.all_to_all_rows(tokens[t], plan.sent, plan.received, group, transport), got, plan
-        """,
-        "combine": REFERENCE_COMBINE,
+        "dispatch": planted(OWN["dispatch"], {
+            "order = routing.expert[t, j].argsort(stable=True)": "e = routing.expert[t, j]\n"
+                                                                  "slot = (e % W) * (num_experts // W) + e // W\n"
+                                                                  "order = slot.argsort(stable=True)",
+            COUNTED: "sent = torch.bincount(slot[order], minlength=num_experts).view(W, -1)"}),
+        "combine": OWN["combine"],
     }),
     "every choice sent, the dropped ones too": ("dropped choices counted", {
-        "dispatch": """
-            W = dist.get_world_size(group)
-            t, j = torch.ones_like(routing.keep).nonzero(as_tuple=True)
-            order = routing.expert[t, j].argsort(stable=True)
-            t = t[order]
-            j = j[order]
-            sent = torch.bincount(routing.expert[t, j], minlength=num_experts).view(W, -1)
-            got = transport(torch.empty_like(sent), sent, [1] * W, [1] * W, group)
-            plan = Plan(t, j, sent.sum(1).tolist(), got.sum(1).tolist())
-            return comm.all_to_all_rows(tokens[t], plan.sent, plan.received, group, transport), got, plan
-        """,
-        "combine": REFERENCE_COMBINE,
+        "dispatch": planted(OWN["dispatch"], {KEPT: "t, j = torch.ones_like(routing.keep).nonzero(as_tuple=True)"}),
+        "combine": OWN["combine"],
     }),
     "the kept rows sent, every choice counted": ("dropped choices counted", {
-        "dispatch": """
-            W = dist.get_world_size(group)
-            t, j = routing.keep.nonzero(as_tuple=True)
-            order = routing.expert[t, j].argsort(stable=True)
-            t = t[order]
-            j = j[order]
-            sent = torch.bincount(routing.expert.flatten(), minlength=num_experts).view(W, -1)
-            got = transport(torch.empty_like(sent), sent, [1] * W, [1] * W, group)
-            plan = Plan(t, j, sent.sum(1).tolist(), got.sum(1).tolist())
-            return comm.all_to_all_rows(tokens[t], plan.sent, plan.received, group, transport), got, plan
-        """,
-        "combine": REFERENCE_COMBINE,
+        "dispatch": planted(OWN["dispatch"], {
+            COUNTED: "sent = torch.bincount(routing.expert.flatten(), minlength=num_experts).view(W, -1)"}),
+        "combine": OWN["combine"],
     }),
     "bincount without minlength": ("a rank that receives no rows left out of the counts", {
-        "dispatch": """
-            W = dist.get_world_size(group)
-            t, j = routing.keep.nonzero(as_tuple=True)
-            order = routing.expert[t, j].argsort(stable=True)
-            t = t[order]
-            j = j[order]
-            sent = torch.bincount(routing.expert[t, j]).view(W, -1)
-            got = transport(torch.empty_like(sent), sent, [1] * W, [1] * W, group)
-            plan = Plan(t, j, sent.sum(1).tolist(), got.sum(1).tolist())
-            return comm.all_to_all_rows(tokens[t], plan.sent, plan.received, group, transport), got, plan
-        """,
-        "combine": REFERENCE_COMBINE,
+        "dispatch": planted(OWN["dispatch"], {COUNTED: "sent = torch.bincount(routing.expert[t, j]).view(W, -1)"}),
+        "combine": OWN["combine"],
     }),
     "the counts taken as what arrives": ("counts not exchanged", {
-        "dispatch": """
-            W = dist.get_world_size(group)
-            t, j = routing.keep.nonzero(as_tuple=True)
-            order = routing.expert[t, j].argsort(stable=True)
-            t = t[order]
-            j = j[order]
-            sent = torch.bincount(routing.expert[t, j], minlength=num_experts).view(W, -1)
-            plan = Plan(t, j, sent.sum(1).tolist(), sent.sum(1).tolist())
-            return comm.all_to_all_rows(tokens[t], plan.sent, plan.received, group, transport), sent, plan
-        """,
-        "combine": REFERENCE_COMBINE,
+        "dispatch": planted(OWN["dispatch"], {
+            EXCHANGED: "",
+            PLAN: "plan = Plan(t, j, sent.sum(1).tolist(), sent.sum(1).tolist())",
+            SENT: "return comm.all_to_all_rows(tokens[t], plan.sent, plan.received, group, transport), sent, plan"}),
+        "combine": OWN["combine"],
     }),
     "a rank with nothing kept returns at once": ("a rank with no rows skipped the all-to-all", {
-        "dispatch": """
-            W = dist.get_world_size(group)
-            t, j = routing.keep.nonzero(as_tuple=True)
-            if len(t) == 0:
-                nothing = torch.zeros(W, num_experts // W, dtype=torch.int64, device=tokens.device)
-                return tokens[:0], nothing, Plan(t, j, [0] * W, [0] * W)
-            order = routing.expert[t, j].argsort(stable=True)
-            t = t[order]
-            j = j[order]
-            sent = torch.bincount(routing.expert[t, j], minlength=num_experts).view(W, -1)
-            got = transport(torch.empty_like(sent), sent, [1] * W, [1] * W, group)
-            plan = Plan(t, j, sent.sum(1).tolist(), got.sum(1).tolist())
-            return comm.all_to_all_rows(tokens[t], plan.sent, plan.received, group, transport), got, plan
-        """,
-        "combine": REFERENCE_COMBINE,
+        "dispatch": planted(OWN["dispatch"], {KEPT: KEPT + """
+if len(t) == 0:
+    nothing = torch.zeros(W, num_experts // W, dtype=torch.int64, device=tokens.device)
+    return tokens[:0], nothing, Plan(t, j, [0] * W, [0] * W)"""}),
+        "combine": OWN["combine"],
     }),
     "the outputs added without the router's weights": ("MoE rows combined without their weights", {
-        "dispatch": REFERENCE_DISPATCH,
-        "combine": """
-            back = comm.all_to_all_rows(out, plan.received, plan.sent, group, transport)
-            return out.new_zeros((n, out.shape[1])).index_add(0, plan.token, back)
-        """,
+        "dispatch": OWN["dispatch"],
+        "combine": planted(OWN["combine"], {
+            ADDED: "return out.new_zeros((n, out.shape[1])).index_add(0, plan.token, back)"}),
     }),
     "the way back by the counts of the way there": ("sent and received counts swapped on the way back", {
-        "dispatch": REFERENCE_DISPATCH,
-        "combine": """
-            back = comm.all_to_all_rows(out, plan.sent, plan.received, group, transport)
-            weighted = weight[plan.token, plan.choice, None] * back
-            return out.new_zeros((n, out.shape[1])).index_add(0, plan.token, weighted)
-        """,
+        "dispatch": OWN["dispatch"],
+        "combine": planted(OWN["combine"], {
+            BACK: "back = comm.all_to_all_rows(out, plan.sent, plan.received, group, transport)"}),
     }),
     "y[plan.token] += weighted rows": ("a token's choices overwrite each other", {
-        "dispatch": REFERENCE_DISPATCH,
-        "combine": """
-            back = comm.all_to_all_rows(out, plan.received, plan.sent, group, transport)
-            y = out.new_zeros((n, out.shape[1]))
-            y[plan.token] += weight[plan.token, plan.choice, None] * back
-            return y
-        """,
+        "dispatch": OWN["dispatch"],
+        "combine": planted(OWN["combine"], {ADDED: """y = out.new_zeros((n, out.shape[1]))
+y[plan.token] += weight[plan.token, plan.choice, None] * back
+return y"""}),
     }),
 }

@@ -4,6 +4,7 @@ Bodies fill the blanks of exercises/loss_scaling.py (kit/exercise.fill), keyed b
 tests/loss_scaling_exercise.py's MISTAKES names what each wrong one gets wrong.
 """
 from mini_dist.kit import exercise
+from mini_dist.kit.exercise import planted
 
 HINTS = {
     "DynamicLossScaler.update": [
@@ -27,10 +28,7 @@ HINTS = {
     ],
 }
 
-# a wrong solution keeps mini_dist's own code in the functions it does not get wrong
-REFERENCE = exercise.reference("loss_scaling")
-REFERENCE_UPDATE = exercise.answer(REFERENCE, "DynamicLossScaler.update")
-REFERENCE_STEP = exercise.answer(REFERENCE, "DynamicLossScaler.step")
+OWN = exercise.answers("loss_scaling")  # mini_dist's code, kept by a wrong solution where it is not wrong
 
 RIGHT = {
     "a counter compared with the interval, with early returns": {
@@ -90,22 +88,13 @@ WRONG = {
             else:
                 self._growth_tracker += 1
         """,
-        "DynamicLossScaler.step": REFERENCE_STEP,
+        "DynamicLossScaler.step": OWN["DynamicLossScaler.step"],
     }),
     "growth at growth_interval - 1: one clean iteration early": ("grown on the wrong step", {
-        "DynamicLossScaler.update": """
-            if overflow:
-                self._scale = to_float32(self._scale * self.backoff_factor)
-                self._growth_tracker = 0
-            else:
-                self._growth_tracker += 1
-                if self._growth_tracker >= self.growth_interval - 1:
-                    grown = to_float32(self._scale * self.growth_factor)
-                    if math.isfinite(grown):
-                        self._scale = grown
-                    self._growth_tracker = 0
-        """,
-        "DynamicLossScaler.step": REFERENCE_STEP,
+        "DynamicLossScaler.update": planted(OWN["DynamicLossScaler.update"], {
+            "if self._growth_tracker == self.growth_interval:":
+                "if self._growth_tracker >= self.growth_interval - 1:"}),
+        "DynamicLossScaler.step": OWN["DynamicLossScaler.step"],
     }),
     "the count carried across an overflow": ("tracker not reset after an overflow", {
         "DynamicLossScaler.update": """
@@ -119,7 +108,7 @@ WRONG = {
                         self._scale = grown
                     self._growth_tracker = 0
         """,
-        "DynamicLossScaler.step": REFERENCE_STEP,
+        "DynamicLossScaler.step": OWN["DynamicLossScaler.step"],
     }),
     "every clean iteration grows the scale": ("growth on every clean step", {
         "DynamicLossScaler.update": """
@@ -132,52 +121,39 @@ WRONG = {
                     self._scale = grown
                 self._growth_tracker = (self._growth_tracker + 1) % self.growth_interval
         """,
-        "DynamicLossScaler.step": REFERENCE_STEP,
+        "DynamicLossScaler.step": OWN["DynamicLossScaler.step"],
     }),
     "the grown scale kept even when it is inf": ("grown past fp32's max", {
-        "DynamicLossScaler.update": """
-            if overflow:
-                self._scale = to_float32(self._scale * self.backoff_factor)
-                self._growth_tracker = 0
-            else:
-                self._growth_tracker += 1
-                if self._growth_tracker == self.growth_interval:
-                    self._scale = to_float32(self._scale * self.growth_factor)
-                    self._growth_tracker = 0
-        """,
-        "DynamicLossScaler.step": REFERENCE_STEP,
+        "DynamicLossScaler.update": planted(OWN["DynamicLossScaler.update"], {
+            "grown = to_float32(self._scale * self.growth_factor)":
+                "self._scale = to_float32(self._scale * self.growth_factor)",
+            "if math.isfinite(grown):": "",
+            "self._scale = grown": ""}),
+        "DynamicLossScaler.step": OWN["DynamicLossScaler.step"],
     }),
     "the scale multiplied as a Python float, never rounded to fp32": ("scale not rounded to fp32", {
-        "DynamicLossScaler.update": """
-            if overflow:
-                self._scale *= self.backoff_factor
-                self._growth_tracker = 0
-            else:
-                self._growth_tracker += 1
-                if self._growth_tracker == self.growth_interval:
-                    if math.isfinite(self._scale * self.growth_factor):
-                        self._scale *= self.growth_factor
-                    self._growth_tracker = 0
-        """,
-        "DynamicLossScaler.step": REFERENCE_STEP,
+        "DynamicLossScaler.update": planted(OWN["DynamicLossScaler.update"], {
+            "self._scale = to_float32(self._scale * self.backoff_factor)": "self._scale *= self.backoff_factor",
+            "grown = to_float32(self._scale * self.growth_factor)": "",
+            "if math.isfinite(grown):": "if math.isfinite(self._scale * self.growth_factor):",
+            "self._scale = grown": "self._scale *= self.growth_factor"}),
+        "DynamicLossScaler.step": OWN["DynamicLossScaler.step"],
     }),
     "the scale backed off, but the step taken all the same": ("step taken on an overflow", {
-        "DynamicLossScaler.update": REFERENCE_UPDATE,
-        "DynamicLossScaler.step": """
-            if id(optimizer) not in self._found_inf:
-                self.unscale_(optimizer)
-            return optimizer.step(*args, **kwargs)
-        """,
+        "DynamicLossScaler.update": OWN["DynamicLossScaler.update"],
+        "DynamicLossScaler.step": planted(OWN["DynamicLossScaler.step"], {
+            "return None if self._found_inf[id(optimizer)] else optimizer.step(*args, **kwargs)":
+                "return optimizer.step(*args, **kwargs)"}),
     }),
     "step() unscales every time, also after the caller did": ("unscaled twice", {
-        "DynamicLossScaler.update": REFERENCE_UPDATE,
+        "DynamicLossScaler.update": OWN["DynamicLossScaler.update"],
         "DynamicLossScaler.step": """
             self.unscale_(optimizer)
             return None if self._found_inf[id(optimizer)] else optimizer.step(*args, **kwargs)
         """,
     }),
     "the skip decided from a verdict nobody recorded": ("not unscaled", {
-        "DynamicLossScaler.update": REFERENCE_UPDATE,
+        "DynamicLossScaler.update": OWN["DynamicLossScaler.update"],
         "DynamicLossScaler.step": """
             if self._found_inf.get(id(optimizer)):
                 return None

@@ -77,22 +77,18 @@ RIGHT = {
     },
 }
 
-# a wrong solution keeps mini_dist's own code in the functions it does not get wrong
-REFERENCE = exercise.reference("mesh")
-COORDS = exercise.answer(REFERENCE, "RankGrid.coords")
-RANK = exercise.answer(REFERENCE, "RankGrid.rank")
-GROUPS = exercise.answer(REFERENCE, "RankGrid.groups")
+OWN = exercise.answers("mesh")  # mini_dist's code, kept by a wrong solution where it is not wrong
 
 WRONG = {
     "the ranks counted with dp fastest, tp slowest": ("axes in the wrong order", {
         "RankGrid.rank": """
             return ((tp * self.cp + cp) * self.pp + pp) * self.dp + dp
         """,
-        "RankGrid.coords": COORDS,
-        "RankGrid.groups": GROUPS,
+        "RankGrid.coords": OWN["RankGrid.coords"],
+        "RankGrid.groups": OWN["RankGrid.groups"],
     }),
     "coordinates peeled tp, pp, cp, dp: pp taken for the axis next to tp": ("axes in the wrong order", {
-        "RankGrid.rank": RANK,
+        "RankGrid.rank": OWN["RankGrid.rank"],
         "RankGrid.coords": """
             tp = rank % self.tp
             pp = rank // self.tp % self.pp
@@ -101,18 +97,18 @@ WRONG = {
             f = dp * self.cp + cp
             return {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "ep_index": f % self.ep, "ep_replica": f // self.ep}
         """,
-        "RankGrid.groups": GROUPS,
+        "RankGrid.groups": OWN["RankGrid.groups"],
     }),
     "dp's stride made of the largest pp coordinate, pp - 1, where pp's degree belongs": ("a stride off by one", {
         "RankGrid.rank": """
             return dp * self.tp * self.cp * (self.pp - 1) + (pp * self.cp + cp) * self.tp + tp
         """,
-        "RankGrid.coords": COORDS,
-        "RankGrid.groups": GROUPS,
+        "RankGrid.coords": OWN["RankGrid.coords"],
+        "RankGrid.groups": OWN["RankGrid.groups"],
     }),
     "each group tagged by the coordinates its ranks differ in, not those they share": ("groups mix coordinates", {
-        "RankGrid.rank": RANK,
-        "RankGrid.coords": COORDS,
+        "RankGrid.rank": OWN["RankGrid.rank"],
+        "RankGrid.coords": OWN["RankGrid.coords"],
         "RankGrid.groups": """
             found = {}
             for r in range(self.size):
@@ -122,7 +118,7 @@ WRONG = {
         """,
     }),
     "ep_index the EP group's number and ep_replica the place inside it": ("ep_index and ep_replica swapped", {
-        "RankGrid.rank": RANK,
+        "RankGrid.rank": OWN["RankGrid.rank"],
         "RankGrid.coords": """
             tp = rank % self.tp
             cp = rank // self.tp % self.cp
@@ -131,6 +127,6 @@ WRONG = {
             f = dp * self.cp + cp
             return {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "ep_index": f // self.ep, "ep_replica": f % self.ep}
         """,
-        "RankGrid.groups": GROUPS,
+        "RankGrid.groups": OWN["RankGrid.groups"],
     }),
 }

@@ -4,6 +4,8 @@ named.
 Bodies fill the blank of exercises/pipeline_schedules.py (kit/exercise.fill); tests/pp_exercise.py's MISTAKES
 names what each wrong one gets wrong.
 """
+from mini_dist.kit.exercise import planted
+
 HINTS = {
     "one_f_one_b_stage": [
         "Follow microbatch 0: it goes forward through stages s+1 .. P-1 and comes back through them before stage s "
@@ -17,21 +19,21 @@ HINTS = {
     ],
 }
 
+THREE_LOOPS = """
+    order = []
+    warmup = min(P - s - 1, M)
+    for m in range(warmup):
+        order.append(("forward", m, 0))
+    for k in range(M - warmup):
+        order.append(("forward", warmup + k, 0))
+        order.append(("backward", k, 0))
+    for m in range(M - warmup, M):
+        order.append(("backward", m, 0))
+    return order
+"""
+
 RIGHT = {
-    "three loops: warm-up, steady state, cool-down": {
-        "one_f_one_b_stage": """
-            order = []
-            warmup = min(P - s - 1, M)
-            for m in range(warmup):
-                order.append(("forward", m, 0))
-            for k in range(M - warmup):
-                order.append(("forward", warmup + k, 0))
-                order.append(("backward", k, 0))
-            for m in range(M - warmup, M):
-                order.append(("backward", m, 0))
-            return order
-        """,
-    },
+    "three loops: warm-up, steady state, cool-down": {"one_f_one_b_stage": THREE_LOOPS},
     "one loop: a forward while fewer than P-s microbatches are held, else a backward": {
         "one_f_one_b_stage": """
             order = []
@@ -49,62 +51,22 @@ RIGHT = {
     },
 }
 
+# each a mistake planted in the three loops
 WRONG = {
     "a warm-up of P - s forwards": ("warm-up of P - s", {
-        "one_f_one_b_stage": """
-            order = []
-            warmup = min(P - s, M)
-            for m in range(warmup):
-                order.append(("forward", m, 0))
-            for k in range(M - warmup):
-                order.append(("forward", warmup + k, 0))
-                order.append(("backward", k, 0))
-            for m in range(M - warmup, M):
-                order.append(("backward", m, 0))
-            return order
-        """,
+        "one_f_one_b_stage": planted(THREE_LOOPS, {"warmup = min(P - s - 1, M)": "warmup = min(P - s, M)"}),
     }),
     "the steady state runs the oldest backward, then the next forward": (
         "backward before forward in the steady state", {
-            "one_f_one_b_stage": """
-                order = []
-                warmup = min(P - s - 1, M)
-                for m in range(warmup):
-                    order.append(("forward", m, 0))
-                for k in range(M - warmup):
-                    order.append(("backward", k, 0))
-                    order.append(("forward", warmup + k, 0))
-                for m in range(M - warmup, M):
-                    order.append(("backward", m, 0))
-                return order
-            """,
+            "one_f_one_b_stage": planted(THREE_LOOPS, {
+                'order.append(("forward", warmup + k, 0))': 'order.append(("backward", k, 0))',
+                'order.append(("backward", k, 0))': 'order.append(("forward", warmup + k, 0))'}),
         }),
     "the cool-down starts one microbatch late": ("cool-down missing backwards", {
-        "one_f_one_b_stage": """
-            order = []
-            warmup = min(P - s - 1, M)
-            for m in range(warmup):
-                order.append(("forward", m, 0))
-            for k in range(M - warmup):
-                order.append(("forward", warmup + k, 0))
-                order.append(("backward", k, 0))
-            for m in range(M - warmup + 1, M):
-                order.append(("backward", m, 0))
-            return order
-        """,
+        "one_f_one_b_stage": planted(THREE_LOOPS, {
+            "for m in range(M - warmup, M):": "for m in range(M - warmup + 1, M):"}),
     }),
     "a warm-up of P - s - 1 whatever M is": ("warm-up ignoring M < P", {
-        "one_f_one_b_stage": """
-            order = []
-            warmup = P - s - 1
-            for m in range(warmup):
-                order.append(("forward", m, 0))
-            for k in range(M - warmup):
-                order.append(("forward", warmup + k, 0))
-                order.append(("backward", k, 0))
-            for m in range(M - warmup, M):
-                order.append(("backward", m, 0))
-            return order
-        """,
+        "one_f_one_b_stage": planted(THREE_LOOPS, {"warmup = min(P - s - 1, M)": "warmup = P - s - 1"}),
     }),
 }

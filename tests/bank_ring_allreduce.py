@@ -4,6 +4,8 @@ Bodies fill the blanks of exercises/ring_allreduce.py (kit/exercise.fill), keyed
 tests/test_exercise.py checks every right one passes and every wrong one fails with its mistake named
 (tests/ring_exercise.py's MISTAKES).
 """
+from mini_dist.kit.exercise import planted
+
 HINTS = {
     "textbook_reduce_scatter_steps": [
         "Follow one chunk around the ring rather than one rank: at each step it moves on to the next rank, which "
@@ -68,88 +70,56 @@ RIGHT = {
     },
 }
 
+# the ring sent to the left, its indices written out: each wrong solution below plants one mistake in it
+LEFT_REDUCE_SCATTER = """
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    for s in range(n - 1):
+        mine = chunks[(r + 2 + s) % n]
+        incoming = torch.empty_like(mine)
+        send_recv(chunks[(r + 1 + s) % n], (r - 1) % n, incoming, (r + 1) % n, group, "reduce-scatter")
+        reduce_into(mine, incoming, op)
+"""
+SEND = 'send_recv(chunks[(r + 1 + s) % n], (r - 1) % n, incoming, (r + 1) % n, group, "reduce-scatter")'
+
 WRONG = {
     "every index one lower: rank r ends with block r-1": ("one step off", {
-        "textbook_reduce_scatter_steps": """
-            r, n = dist.get_rank(group), dist.get_world_size(group)
-            for s in range(n - 1):
-                mine = chunks[(r + 1 + s) % n]
-                incoming = torch.empty_like(mine)
-                send_recv(chunks[(r + s) % n], (r - 1) % n, incoming, (r + 1) % n, group, "reduce-scatter")
-                reduce_into(mine, incoming, op)
-        """,
+        "textbook_reduce_scatter_steps": planted(LEFT_REDUCE_SCATTER, {
+            "mine = chunks[(r + 2 + s) % n]": "mine = chunks[(r + 1 + s) % n]",
+            SEND: 'send_recv(chunks[(r + s) % n], (r - 1) % n, incoming, (r + 1) % n, group, "reduce-scatter")'}),
         "textbook_all_gather_steps": LEFT_ALL_GATHER,
     }),
     "sent to the right with the indices of a ring sent to the left": ("turned the wrong way", {
-        "textbook_reduce_scatter_steps": """
-            r, n = dist.get_rank(group), dist.get_world_size(group)
-            for s in range(n - 1):
-                mine = chunks[(r + 2 + s) % n]
-                incoming = torch.empty_like(mine)
-                send_recv(chunks[(r + 1 + s) % n], (r + 1) % n, incoming, (r - 1) % n, group, "reduce-scatter")
-                reduce_into(mine, incoming, op)
-        """,
+        "textbook_reduce_scatter_steps": planted(LEFT_REDUCE_SCATTER, {
+            SEND: 'send_recv(chunks[(r + 1 + s) % n], (r + 1) % n, incoming, (r - 1) % n, group, "reduce-scatter")'}),
         "textbook_all_gather_steps": LEFT_ALL_GATHER,
     }),
     "what arrives added into the chunk just sent": ("added into the wrong chunk", {
-        "textbook_reduce_scatter_steps": """
-            r, n = dist.get_rank(group), dist.get_world_size(group)
-            for s in range(n - 1):
-                send = chunks[(r + 1 + s) % n]
-                incoming = torch.empty_like(chunks[(r + 2 + s) % n])
-                send_recv(send, (r - 1) % n, incoming, (r + 1) % n, group, "reduce-scatter")
-                reduce_into(send, incoming, op)
-        """,
+        "textbook_reduce_scatter_steps": planted(LEFT_REDUCE_SCATTER, {
+            "mine = chunks[(r + 2 + s) % n]": "send = chunks[(r + 1 + s) % n]",
+            "incoming = torch.empty_like(mine)": "incoming = torch.empty_like(chunks[(r + 2 + s) % n])",
+            SEND: 'send_recv(send, (r - 1) % n, incoming, (r + 1) % n, group, "reduce-scatter")',
+            "reduce_into(mine, incoming, op)": "reduce_into(send, incoming, op)"}),
         "textbook_all_gather_steps": LEFT_ALL_GATHER,
     }),
     "each sum made a new tensor (mine = mine + incoming), the chunks left as they were": ("not reduced in place", {
-        "textbook_reduce_scatter_steps": """
-            r, n = dist.get_rank(group), dist.get_world_size(group)
-            for s in range(n - 1):
-                mine = chunks[(r + 2 + s) % n]
-                incoming = torch.empty_like(mine)
-                send_recv(chunks[(r + 1 + s) % n], (r - 1) % n, incoming, (r + 1) % n, group, "reduce-scatter")
-                mine = mine + incoming
-        """,
+        "textbook_reduce_scatter_steps": planted(LEFT_REDUCE_SCATTER, {
+            "reduce_into(mine, incoming, op)": "mine = mine + incoming"}),
         "textbook_all_gather_steps": LEFT_ALL_GATHER,
     }),
     "every op added (mine.add_(incoming))": ("op ignored", {
-        "textbook_reduce_scatter_steps": """
-            r, n = dist.get_rank(group), dist.get_world_size(group)
-            for s in range(n - 1):
-                mine = chunks[(r + 2 + s) % n]
-                incoming = torch.empty_like(mine)
-                send_recv(chunks[(r + 1 + s) % n], (r - 1) % n, incoming, (r + 1) % n, group, "reduce-scatter")
-                mine.add_(incoming)
-        """,
+        "textbook_reduce_scatter_steps": planted(LEFT_REDUCE_SCATTER, {
+            "reduce_into(mine, incoming, op)": "mine.add_(incoming)"}),
         "textbook_all_gather_steps": LEFT_ALL_GATHER,
     }),
     "AVG divided in the steps as well as by the caller": ("divided twice", {
-        "textbook_reduce_scatter_steps": """
-            r, n = dist.get_rank(group), dist.get_world_size(group)
-            for s in range(n - 1):
-                mine = chunks[(r + 2 + s) % n]
-                incoming = torch.empty_like(mine)
-                send_recv(chunks[(r + 1 + s) % n], (r - 1) % n, incoming, (r + 1) % n, group, "reduce-scatter")
-                reduce_into(mine, incoming, op)
-            if op == AVG:
-                chunks[r].div_(n)
-        """,
+        "textbook_reduce_scatter_steps": LEFT_REDUCE_SCATTER + """\
+    if op == AVG:
+        chunks[r].div_(n)
+""",
         "textbook_all_gather_steps": LEFT_ALL_GATHER,
     }),
     "the all-gather one step short": ("all-gather incomplete", {
-        "textbook_reduce_scatter_steps": """
-            r, n = dist.get_rank(group), dist.get_world_size(group)
-            for s in range(n - 1):
-                mine = chunks[(r + 2 + s) % n]
-                incoming = torch.empty_like(mine)
-                send_recv(chunks[(r + 1 + s) % n], (r - 1) % n, incoming, (r + 1) % n, group, "reduce-scatter")
-                reduce_into(mine, incoming, op)
-        """,
-        "textbook_all_gather_steps": """
-            r, n = dist.get_rank(group), dist.get_world_size(group)
-            for s in range(n - 2):
-                send_recv(chunks[(r + s) % n], (r - 1) % n, chunks[(r + 1 + s) % n], (r + 1) % n, group, "all-gather")
-        """,
+        "textbook_reduce_scatter_steps": LEFT_REDUCE_SCATTER,
+        "textbook_all_gather_steps": planted(LEFT_ALL_GATHER, {"for s in range(n - 1):": "for s in range(n - 2):"}),
     }),
 }

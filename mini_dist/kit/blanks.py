@@ -88,6 +88,30 @@ def answer(source: str, function: str) -> str:
     return "\n".join(body)
 
 
+def planted(body: str, edits: dict) -> str:
+    """`body` with a mistake planted, the way a bank writes a wrong solution: each line whose code (indentation
+    and a trailing comment aside) is a key of `edits` becomes that key's value, indented as the line was; a value
+    of several lines keeps their own indentation below the first, and "" deletes the line. Each key must name
+    exactly one line."""
+    lines = textwrap.dedent(body).strip("\n").splitlines()
+    found = [code(line) for line in lines if code(line) in edits]
+    if sorted(found) != sorted(edits):
+        raise ValueError(f"each edit must name one line of the body: {sorted(edits)} against {found}")
+    written = []
+    for line in lines:
+        if code(line) not in edits:
+            written.append(line)
+            continue
+        indent = line[:len(line) - len(line.lstrip())]
+        written.extend(indent + new for new in edits[code(line)].splitlines())
+    return "\n".join(written)
+
+
+def code(line: str) -> str:
+    """A line of a bank's solution without its indentation and its trailing comment (two spaces, then #)."""
+    return line.split("  # ")[0].strip()
+
+
 def blank(source: str, module: str) -> str:
     """The exercise: each region's lines (contract and reference body) replaced by its NotImplementedError."""
     lines = source.splitlines()

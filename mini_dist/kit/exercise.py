@@ -34,7 +34,7 @@ import sys
 import textwrap
 
 if __package__:
-    from mini_dist.kit.blanks import answer, blank, blanks, fill, function_at, regions  # noqa: F401  (tests' too)
+    from mini_dist.kit.blanks import answer, blank, blanks, fill, function_at, planted, regions  # noqa: F401  (tests')
 else:  # run as a script by run.sh, with this folder on the path: nothing imports mini_dist.kit, nor torch
     from blanks import blank, blanks, fill, function_at, regions  # noqa: F401
 
@@ -95,6 +95,13 @@ def reference(module: str) -> str:
     if module not in exercises():
         raise SystemExit(f"exercise: no exercise '{module}'; choose one of: {' '.join(exercises())}")
     return open(os.path.join(ROOT, "mini_dist", f"{module}.py")).read()
+
+
+def answers(module: str) -> dict:
+    """mini_dist's own code for each blanked function (its first region), the contract left out: what a bank's
+    wrong solution keeps in the functions it does not get wrong."""
+    source = reference(module)
+    return {r.function: answer(source, r.function) for r in regions(source)}
 
 
 def write(module: str, force: bool = False, workspace: str = WORKSPACE) -> str:
