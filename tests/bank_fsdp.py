@@ -3,6 +3,8 @@
 Bodies fill the blanks of exercises/fsdp.py (kit/exercise.fill), keyed by the function they complete;
 tests/fsdp_exercise.py's MISTAKES names what each wrong one gets wrong.
 """
+from mini_dist.kit.exercise import planted
+
 HINTS = {
     "FullyShardedDataParallel._pre_forward": [
         "Between computations the module holds 1-D slices of this rank's shard; the module's forward needs every "
@@ -55,6 +57,12 @@ REFERENCE = {
     """,
 }
 
+# the lines of _post_forward the wrong solutions below plant their mistakes in
+FREED_WHEN = "if self.reshard_after_forward or not torch.is_grad_enabled():"
+FREED = 'self._free(unit, "forward")'
+HOOKED_ON = "needs_grad = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]"
+HOOKED = 'torch.autograd.graph.register_multi_grad_hook(needs_grad, lambda _: self._pre_backward(unit), mode="any")'
+
 RIGHT = {
     "the reference's hooks": REFERENCE,
     "a hook on each output, once per backward; backward's order built with reversed()": {
@@ -102,36 +110,15 @@ WRONG = {
     }),
     "never freed after forward": ("not freed after forward", {
         **REFERENCE,
-        POST: """
-            unit.attach_shards()
-            self._finished.append(unit)
-            needs_grad = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
-            if needs_grad:
-                torch.autograd.graph.register_multi_grad_hook(needs_grad, lambda _: self._pre_backward(unit),
-                                                              mode="any")
-        """,
+        POST: planted(REFERENCE[POST], {FREED_WHEN: "", FREED: ""}),
     }),
     "freed only when resharding, also under no_grad": ("kept after a forward without grad", {
         **REFERENCE,
-        POST: """
-            unit.attach_shards()
-            self._finished.append(unit)
-            if self.reshard_after_forward:
-                self._free(unit, "forward")
-            needs_grad = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
-            if needs_grad:
-                torch.autograd.graph.register_multi_grad_hook(needs_grad, lambda _: self._pre_backward(unit),
-                                                              mode="any")
-        """,
+        POST: planted(REFERENCE[POST], {FREED_WHEN: "if self.reshard_after_forward:"}),
     }),
     "no hook on the outputs": ("backward never announced", {
         **REFERENCE,
-        POST: """
-            unit.attach_shards()
-            self._finished.append(unit)
-            if self.reshard_after_forward or not torch.is_grad_enabled():
-                self._free(unit, "forward")
-        """,
+        POST: planted(REFERENCE[POST], {HOOKED_ON: "", "if needs_grad:": "", HOOKED: ""}),
     }),
     "backward without the second gather": ("backward without the second gather", {
         **REFERENCE,

@@ -3,6 +3,8 @@
 Bodies fill the blank of exercises/reducer.py (kit/exercise.fill), keyed by the function they complete;
 tests/reducer_exercise.py's MISTAKES names what each wrong one gets wrong.
 """
+from mini_dist.kit.exercise import planted
+
 HINTS = {
     "Reducer._fill": [
         "Two jobs: put p's gradient where its bucket's all-reduce will read it, then send every bucket that is ready. "
@@ -16,6 +18,25 @@ HINTS = {
         "ones ahead of it.",
     ],
 }
+
+DIVIDED_ONCE_REDUCED = """
+            bucket, i = self.slot[p]
+            if p.grad is None:
+                bucket.views[i].zero_()
+            else:
+                bucket.views[i].copy_(p.grad)
+            bucket.pending -= 1
+
+            def averaged(flat, n, reduced):
+                reduced.value()  # an all-reduce that failed raises here, for backward to report
+                return flat.div_(n)
+            while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
+                going = self.buckets[self.next_bucket]
+                self._launch(going)
+                if not self.hook:
+                    going.future = going.future.then(functools.partial(averaged, going.flat, self.world))
+                self.next_bucket += 1
+"""
 
 RIGHT = {
     "native DDP's way: the gradient times 1/N on the way in, the full buckets sent from next_bucket on": {
@@ -37,24 +58,7 @@ RIGHT = {
         """,
     },
     "the plain gradient in, each reduced bucket divided by N once its all-reduce is done (rounded otherwise)": {
-        "Reducer._fill": """
-            bucket, i = self.slot[p]
-            if p.grad is None:
-                bucket.views[i].zero_()
-            else:
-                bucket.views[i].copy_(p.grad)
-            bucket.pending -= 1
-
-            def averaged(flat, n, reduced):
-                reduced.value()  # an all-reduce that failed raises here, for backward to report
-                return flat.div_(n)
-            while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
-                going = self.buckets[self.next_bucket]
-                self._launch(going)
-                if not self.hook:
-                    going.future = going.future.then(functools.partial(averaged, going.flat, self.world))
-                self.next_bucket += 1
-        """,
+        "Reducer._fill": DIVIDED_ONCE_REDUCED,
     },
 }
 
@@ -77,37 +81,20 @@ IN_ORDER = """
 
 WRONG = {
     "the gradient copied in as it is, nothing divided": ("a sum for an average", {
-        "Reducer._fill": """
-            bucket, i = self.slot[p]
-            if p.grad is None:
-                bucket.views[i].zero_()
-            else:
-                bucket.views[i].copy_(p.grad)
-            bucket.pending -= 1
-        """ + IN_ORDER,
+        "Reducer._fill": planted(DIVIDE_ON_THE_WAY_IN + IN_ORDER, {
+            "elif self.hook:": "",
+            "bucket.views[i].copy_(p.grad)": "",
+            "torch.mul(p.grad, 1.0 / self.world, out=bucket.views[i])": "bucket.views[i].copy_(p.grad)"}),
     }),
     "divided by N under a communication hook too (torch's allreduce_hook divides again)": ("divided twice", {
-        "Reducer._fill": """
-            bucket, i = self.slot[p]
-            if p.grad is None:
-                bucket.views[i].zero_()
-            else:
-                torch.mul(p.grad, 1.0 / self.world, out=bucket.views[i])
-            bucket.pending -= 1
-        """ + IN_ORDER,
+        "Reducer._fill": planted(DIVIDE_ON_THE_WAY_IN + IN_ORDER, {
+            "elif self.hook:": "",
+            "bucket.views[i].copy_(p.grad)": ""}),
     }),
     "divided on the way in and again once reduced": ("divided twice", {
-        "Reducer._fill": DIVIDE_ON_THE_WAY_IN + """
-            def averaged(flat, n, reduced):
-                reduced.value()
-                return flat.div_(n)
-            while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
-                going = self.buckets[self.next_bucket]
-                self._launch(going)
-                if not self.hook:
-                    going.future = going.future.then(functools.partial(averaged, going.flat, self.world))
-                self.next_bucket += 1
-        """,
+        "Reducer._fill": planted(DIVIDED_ONCE_REDUCED, {
+            "else:": "elif self.hook:\n    bucket.views[i].copy_(p.grad)\nelse:",
+            "bucket.views[i].copy_(p.grad)": "torch.mul(p.grad, 1.0 / self.world, out=bucket.views[i])"}),
     }),
     "each bucket sent the moment it is full, whatever the buckets ahead of it": ("launched out of order", {
         "Reducer._fill": DIVIDE_ON_THE_WAY_IN + """
@@ -144,13 +131,9 @@ WRONG = {
         """,
     }),
     "p.grad used whether or not there is one": ("no gradient, no zeros", {
-        "Reducer._fill": """
-            bucket, i = self.slot[p]
-            if self.hook:
-                bucket.views[i].copy_(p.grad)
-            else:
-                torch.mul(p.grad, 1.0 / self.world, out=bucket.views[i])
-            bucket.pending -= 1
-        """ + IN_ORDER,
+        "Reducer._fill": planted(DIVIDE_ON_THE_WAY_IN + IN_ORDER, {
+            "if p.grad is None:": "",
+            "bucket.views[i].zero_()": "",
+            "elif self.hook:": "if self.hook:"}),
     }),
 }

@@ -3,6 +3,8 @@
 Bodies fill the blanks of exercises/reshard.py (kit/exercise.fill), keyed by the function they complete;
 tests/reshard_exercise.py's MISTAKES names what each wrong one gets wrong.
 """
+from mini_dist.kit.exercise import planted
+
 HINTS = {
     "flat_boxes": [
         "See the tensor as rows along dim 0, each row a tensor of shape[1:]. The rows [a, b) covers whole (they "
@@ -136,20 +138,13 @@ WRONG = {
         "dim_shard": dim(),
     }),
     "a partial row as one box of (row, column) whatever the tensor's dims": ("partial row not cut one dim down", {
-        "flat_boxes": """
-            if a >= b:
-                return []
-            if not shape:
-                return [((), ())]
-            n = prod(shape[1:])
-            i = -(-a // n)
-            j = b // n
-            if i > j:
-                return [((j, a - j * n), (1, b - a))]
-            head = [((i - 1, a - (i - 1) * n), (1, i * n - a))] if a < i * n else []
-            body = [((i, *[0] * (len(shape) - 1)), (j - i, *shape[1:]))] if j > i else []
-            return head + body + ([((j, 0), (1, b - j * n))] if b > j * n else [])
-        """,
+        "flat_boxes": planted(flat(), {
+            "return [((j, *o), (1, *l)) for o, l in flat_boxes(shape[1:], a - j * n, b - j * n)]":
+                "return [((j, a - j * n), (1, b - a))]",
+            "head = [((i - 1, *o), (1, *l)) for o, l in flat_boxes(shape[1:], a - (i - 1) * n, n)]":
+                "head = [((i - 1, a - (i - 1) * n), (1, i * n - a))] if a < i * n else []",
+            "return head + body + [((j, *o), (1, *l)) for o, l in flat_boxes(shape[1:], 0, b - j * n)]":
+                "return head + body + ([((j, 0), (1, b - j * n))] if b > j * n else [])"}),
         "dim_shard": dim(),
     }),
     "each whole row a box of its own": ("whole rows one box per row", {
