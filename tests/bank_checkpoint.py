@@ -3,6 +3,9 @@
 Bodies fill the blanks of exercises/checkpoint.py (kit/exercise.fill), keyed by the function they complete;
 tests/checkpoint_exercise.py's MISTAKES names what each wrong one gets wrong.
 """
+from mini_dist.kit import exercise
+from mini_dist.kit.exercise import planted
+
 HINTS = {
     "write_atomically": [
         "A reader must never see path half written, so the new bytes cannot go into path while they are being "
@@ -59,54 +62,31 @@ RIGHT = {
     },
 }
 
+# mini_dist's own atomic write: the wrong solutions below (but the first) plant one mistake each in it
+PLAIN = exercise.answers("checkpoint")["write_atomically"]
+FLUSHED = "f.flush()"
+SYNCED = "os.fsync(f.fileno())"
+RENAMED = 'os.replace(path + ".tmp", path)'
+
 WRONG = {
     "the chunks written straight into path, synced": ("written in place", {
-        "write_atomically": """
-            with open(path, "wb") as f:
-                for chunk in chunks:
-                    f.write(chunk)
-                f.flush()
-                os.fsync(f.fileno())
-        """,
+        "write_atomically": planted(PLAIN, {'with open(path + ".tmp", "wb") as f:': 'with open(path, "wb") as f:',
+                                            RENAMED: ""}),
     }),
     "a temporary file renamed onto path, never synced": ("renamed without fsync", {
-        "write_atomically": """
-            with open(path + ".tmp", "wb") as f:
-                for chunk in chunks:
-                    f.write(chunk)
-            os.replace(path + ".tmp", path)
-        """,
+        "write_atomically": planted(PLAIN, {FLUSHED: "", SYNCED: ""}),
     }),
     "os.fsync while the bytes still sit in the Python file's buffer": ("fsync before flush", {
-        "write_atomically": """
-            with open(path + ".tmp", "wb") as f:
-                for chunk in chunks:
-                    f.write(chunk)
-                os.fsync(f.fileno())
-            os.replace(path + ".tmp", path)
-        """,
+        "write_atomically": planted(PLAIN, {FLUSHED: ""}),
     }),
     "renamed first, synced after": ("fsync after the rename", {
-        "write_atomically": """
-            with open(path + ".tmp", "wb") as f:
-                for chunk in chunks:
-                    f.write(chunk)
-            os.replace(path + ".tmp", path)
-            fd = os.open(path, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-        """,
+        "write_atomically": planted(PLAIN, {
+            FLUSHED: "",
+            SYNCED: "",
+            RENAMED: RENAMED + "\nfd = os.open(path, os.O_RDONLY)\nos.fsync(fd)\nos.close(fd)"}),
     }),
     "the old file removed, then the synced new one renamed into its place": ("old file removed first", {
-        "write_atomically": """
-            with open(path + ".tmp", "wb") as f:
-                for chunk in chunks:
-                    f.write(chunk)
-                f.flush()
-                os.fsync(f.fileno())
-            if os.path.exists(path):
-                os.remove(path)
-            os.rename(path + ".tmp", path)
-        """,
+        "write_atomically": planted(PLAIN, {
+            RENAMED: 'if os.path.exists(path):\n    os.remove(path)\nos.rename(path + ".tmp", path)'}),
     }),
 }

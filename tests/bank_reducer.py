@@ -73,6 +73,9 @@ DIVIDE_ON_THE_WAY_IN = """
                 torch.mul(p.grad, 1.0 / self.world, out=bucket.views[i])
             bucket.pending -= 1
 """
+WHILE_READY = """while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
+    self._launch(self.buckets[self.next_bucket])
+    self.next_bucket += 1"""
 IN_ORDER = """
             while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
                 self._launch(self.buckets[self.next_bucket])
@@ -103,17 +106,12 @@ WRONG = {
         """,
     }),
     "the buckets sent before the gradient is copied in": ("launched before it is full", {
-        "Reducer._fill": """
-            bucket, i = self.slot[p]
-            bucket.pending -= 1
-        """ + IN_ORDER + """
-            if p.grad is None:
-                bucket.views[i].zero_()
-            elif self.hook:
-                bucket.views[i].copy_(p.grad)
-            else:
-                torch.mul(p.grad, 1.0 / self.world, out=bucket.views[i])
-        """,
+        "Reducer._fill": planted(DIVIDE_ON_THE_WAY_IN + IN_ORDER, {
+            "bucket, i = self.slot[p]": "bucket, i = self.slot[p]\nbucket.pending -= 1\n" + WHILE_READY,
+            "bucket.pending -= 1": "",
+            WHILE_READY.splitlines()[0]: "",
+            "self._launch(self.buckets[self.next_bucket])": "",
+            "self.next_bucket += 1": ""}),
     }),
     "every full bucket from bucket 0 sent again at each arrival": ("launched twice", {
         "Reducer._fill": DIVIDE_ON_THE_WAY_IN + """

@@ -3,6 +3,8 @@
 Bodies fill the blank of exercises/zero.py (kit/exercise.fill), keyed by the function they complete;
 tests/zero_exercise.py's MISTAKES names what each wrong one gets wrong.
 """
+from mini_dist.kit.exercise import planted
+
 HINTS = {
     "zero1_step": [
         "ZeRO-1 is DDP's step with the optimizer's work split K ways: every rank still needs the mean gradient, "
@@ -44,77 +46,47 @@ RIGHT = {
     },
 }
 
-SETUP = """
-            c = COLLECTIVES[collectives]
-            K = dist.get_world_size(group)
-            r = dist.get_rank(group)
-            S = flat.numel() // K
-            mine = slice(r * S, (r + 1) * S)
+# a right ZeRO-1 step, written plainly: each wrong solution below plants one mistake in it
+PLAIN = """
+    c = COLLECTIVES[collectives]
+    K = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    S = flat.numel() // K
+    mine = slice(r * S, (r + 1) * S)
+    c.all_reduce(grad, group)
+    step_shard(flat[mine], grad[mine])
+    c.all_gather(flat, group)
+    return grad
 """
+REDUCED = "c.all_reduce(grad, group)"
+STEPPED = "step_shard(flat[mine], grad[mine])"
+GATHERED = "c.all_gather(flat, group)"
 
 WRONG = {
     "no all-reduce: each rank steps its shard with its own gradient": ("gradient not averaged", {
-        "zero1_step": SETUP + """
-            step_shard(flat[mine], grad[mine])
-            c.all_gather(flat, group)
-            return grad
-        """,
+        "zero1_step": planted(PLAIN, {REDUCED: ""}),
     }),
     "the all-reduced gradient divided by K again": ("divided twice", {
-        "zero1_step": SETUP + """
-            c.all_reduce(grad, group)
-            grad /= K
-            step_shard(flat[mine], grad[mine])
-            c.all_gather(flat, group)
-            return grad
-        """,
+        "zero1_step": planted(PLAIN, {REDUCED: REDUCED + "\ngrad /= K"}),
     }),
     "every rank steps the whole vector": ("every element stepped", {
-        "zero1_step": SETUP + """
-            c.all_reduce(grad, group)
-            step_shard(flat, grad)
-            c.all_gather(flat, group)
-            return grad
-        """,
+        "zero1_step": planted(PLAIN, {STEPPED: "step_shard(flat, grad)"}),
     }),
     "rank r steps the shard of rank r + 1": ("the wrong shard", {
-        "zero1_step": SETUP + """
-            c.all_reduce(grad, group)
-            theirs = slice(((r + 1) % K) * S, ((r + 1) % K + 1) * S)
-            step_shard(flat[theirs], grad[theirs])
-            c.all_gather(flat, group)
-            return grad
-        """,
+        "zero1_step": planted(PLAIN, {
+            STEPPED: "theirs = slice(((r + 1) % K) * S, ((r + 1) % K + 1) * S)\n"
+                     "step_shard(flat[theirs], grad[theirs])"}),
     }),
     "my shard stepped with the next shard's gradient": ("the gradient of another shard", {
-        "zero1_step": SETUP + """
-            c.all_reduce(grad, group)
-            step_shard(flat[mine], grad.roll(-S)[mine])
-            c.all_gather(flat, group)
-            return grad
-        """,
+        "zero1_step": planted(PLAIN, {STEPPED: "step_shard(flat[mine], grad.roll(-S)[mine])"}),
     }),
     "the shard cloned before the step": ("stepped a copy", {
-        "zero1_step": SETUP + """
-            c.all_reduce(grad, group)
-            step_shard(flat[mine].clone(), grad[mine])
-            c.all_gather(flat, group)
-            return grad
-        """,
+        "zero1_step": planted(PLAIN, {STEPPED: "step_shard(flat[mine].clone(), grad[mine])"}),
     }),
     "no all-gather": ("not gathered after the step", {
-        "zero1_step": SETUP + """
-            c.all_reduce(grad, group)
-            step_shard(flat[mine], grad[mine])
-            return grad
-        """,
+        "zero1_step": planted(PLAIN, {GATHERED: ""}),
     }),
     "the all-gather before the step": ("not gathered after the step", {
-        "zero1_step": SETUP + """
-            c.all_reduce(grad, group)
-            c.all_gather(flat, group)
-            step_shard(flat[mine], grad[mine])
-            return grad
-        """,
+        "zero1_step": planted(PLAIN, {STEPPED: GATHERED, GATHERED: STEPPED}),
     }),
 }
