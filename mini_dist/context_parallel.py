@@ -36,7 +36,7 @@ import torch.distributed as dist
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import comm
-from mini_dist.kit import launch, references, trace
+from mini_dist.kit import flags, launch, references, trace
 from mini_dist.kit.wire import isend_irecv, wait
 from mini_dist.sequence_layout import (CONTIGUOUS, LAYOUTS, SCORES, SEQ_DIM, ZIGZAG, bytes_sent, causal_tiles,
                                        check_inputs, rank_order, reorder_chunks, split_sequence)
@@ -202,12 +202,7 @@ def ring_attention(q, k, v, causal=False, group=None, layout: str = ZIGZAG):
 
 
 def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--seq", type=int, default=48, help="sequence length S (a multiple of 2C: zigzag's chunks)")
-    p.add_argument("--heads", type=int, default=12, help="attention heads H")
-    p.add_argument("--head-dim", type=int, default=16, help="head dimension d")
-    p.add_argument("--batch", type=int, default=2, help="sequences in the batch")
-    return p
+    return flags.attention(launch.demo_parser(__doc__))
 
 
 def rotation(full, layout=ZIGZAG) -> list[list[int]]:
@@ -225,10 +220,7 @@ def rotation(full, layout=ZIGZAG) -> list[list[int]]:
 
 
 def demo(args) -> int:
-    C = launch.env_world_size()
-    launch.require(min(args.seq, args.heads, args.head_dim, args.batch) > 0, "sizes must be positive")
-    launch.require(args.seq % (2 * C) == 0, f"--seq {args.seq} on {C} ranks: use a multiple of 2C = {2 * C} "
-                                            f"(the zigzag layout cuts the sequence into 2C equal chunks)")
+    C = flags.zigzag_ranks(args)
     env = launch.setup()
     full = [torch.randn(args.batch, args.heads, args.seq, args.head_dim, dtype=torch.float64, device=env.device)
             for _ in range(4)]  # q, k, v, dout of the whole sequence, alike on every rank (setup seeds them)

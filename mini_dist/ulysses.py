@@ -33,7 +33,7 @@ import torch.nn.functional as F
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import comm
-from mini_dist.kit import launch, references
+from mini_dist.kit import flags, launch, references
 from mini_dist.context_parallel import ring_attention
 from mini_dist.sequence_layout import (CONTIGUOUS, SCORES, SEQ_DIM, ZIGZAG, bytes_sent, check_inputs, rank_order,
                                        reorder_chunks, split_sequence, to_position_order)
@@ -63,19 +63,11 @@ def ulysses_attention(q, k, v, causal=False, group=None, layout: str = ZIGZAG):
 
 
 def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--seq", type=int, default=48, help="sequence length S (a multiple of 2C: zigzag's chunks)")
-    p.add_argument("--heads", type=int, default=12, help="attention heads H (a multiple of C)")
-    p.add_argument("--head-dim", type=int, default=16, help="head dimension d")
-    p.add_argument("--batch", type=int, default=2, help="sequences in the batch")
-    return p
+    return flags.attention(launch.demo_parser(__doc__))
 
 
 def demo(args) -> int:
-    C = launch.env_world_size()
-    launch.require(min(args.seq, args.heads, args.head_dim, args.batch) > 0, "sizes must be positive")
-    launch.require(args.seq % (2 * C) == 0, f"--seq {args.seq} on {C} ranks: use a multiple of 2C = {2 * C} "
-                                            f"(the zigzag layout cuts the sequence into 2C equal chunks)")
+    C = flags.zigzag_ranks(args)
     launch.require(args.heads % C == 0, f"--heads {args.heads} on {C} ranks: use a multiple of {C} (Ulysses "
                                         f"gives each rank H/C whole heads)")
     env = launch.setup()

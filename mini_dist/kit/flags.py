@@ -3,6 +3,8 @@
     adam_check   --steps and --widths of an fp64 Adam run checked against PyTorch (zero, zero_optimizer)
     pipeline     --microbatches and --width of a pipeline step checked against one process (pipeline,
                  pipeline_executor); pipeline_sizes reads them back as P and M, refused where torch refuses
+    attention    --seq, --heads, --head-dim and --batch of an attention split over ranks (context_parallel,
+                 ulysses); zigzag_ranks reads back C, the ranks, refused where the zigzag layout cannot cut --seq
     grid_5d      a 5D run: the mesh's degrees, experts, microbatches, schedule, ZeRO stage (train_5d, measure_5d)
 """
 import argparse
@@ -30,6 +32,23 @@ def pipeline_sizes(args) -> tuple[int, int]:
     launch.require(args.width >= 1, "--width must be at least 1")
     launch.require(M >= P, f"--microbatches must be at least the rank count, {P}: torch's Schedule1F1B refuses fewer")
     return P, M
+
+
+def attention(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--seq", type=int, default=48, help="sequence length S (a multiple of 2C: zigzag's chunks)")
+    p.add_argument("--heads", type=int, default=12, help="attention heads H (Ulysses: a multiple of C)")
+    p.add_argument("--head-dim", type=int, default=16, help="head dimension d")
+    p.add_argument("--batch", type=int, default=2, help="sequences in the batch")
+    return p
+
+
+def zigzag_ranks(args) -> int:
+    """C, the ranks the sequence is split over: --seq a multiple of 2C, as the zigzag layout cuts it."""
+    C = launch.env_world_size()
+    launch.require(min(args.seq, args.heads, args.head_dim, args.batch) > 0, "sizes must be positive")
+    launch.require(args.seq % (2 * C) == 0, f"--seq {args.seq} on {C} ranks: use a multiple of 2C = {2 * C} "
+                                            f"(the zigzag layout cuts the sequence into 2C equal chunks)")
+    return C
 
 
 def grid_5d(p: argparse.ArgumentParser, schedules) -> argparse.ArgumentParser:
