@@ -100,6 +100,40 @@ def test_fill_writes_each_body_into_its_blank_and_refuses_a_function_without_one
 
 
 @pytest.mark.single_process
+def test_planted_changes_only_the_lines_it_names_and_refuses_a_line_it_cannot_name_once():
+    body = """
+        total = 0
+        for x in xs:
+            total += x  # the sum
+        return total
+    """
+    wrong = exercise.planted(body, {"total += x": "if x:\n    total -= x", "return total": "return -total"})
+    assert wrong == "total = 0\nfor x in xs:\n    if x:\n        total -= x\nreturn -total"
+    assert exercise.planted(body, {"total = 0": ""}).splitlines()[0] == "for x in xs:"
+    with pytest.raises(ValueError, match="each edit must name one line"):
+        exercise.planted(body, {"total = 1": "total = 0"})
+    with pytest.raises(ValueError, match="each edit must name one line"):
+        exercise.planted(body + body, {"return total": "return 0"})
+
+
+@pytest.mark.parametrize("module", exercise.ORDER)
+@pytest.mark.single_process
+def test_a_blank_filled_with_the_references_answers_is_the_reference_without_its_contracts(module):
+    reference = exercise.reference(module)
+    filled = exercise.fill(exercise.blank(reference, module), module, exercise.answers(module))
+    lines = reference.splitlines()
+    marked = set()
+    for region in exercise.regions(reference):
+        marked.add(region.first)  # '# exercise:'
+        i = region.first + 1
+        while lines[i].strip().startswith("#  "):  # the contract's next lines
+            marked.add(i)
+            i += 1
+        marked.add(region.last)  # '# end exercise'
+    assert filled.splitlines() == [line for i, line in enumerate(lines) if i not in marked]
+
+
+@pytest.mark.single_process
 def test_write_refuses_to_overwrite_work_in_progress_unless_forced_and_heads_the_copy_with_its_judges(tmp_path):
     path = exercise.write("ring_allreduce", workspace=str(tmp_path))
     assert exercise.write("ring_allreduce", workspace=str(tmp_path)) == path  # a fresh copy: nothing lost
