@@ -251,7 +251,8 @@ def parser():
 
 
 def demo(args) -> int:
-    P, M = flags.pipeline_sizes(args)
+    P = flags.pipeline_ranks(args)
+    M = args.microbatches
     launch.setup()
     launch.print0(f"P={P} M={M}, fp64, one step: the largest |difference| of loss and gradients from one process on "
                   f"the whole batch\n{'step':<6} | {'mini_dist':>9} | torch's")

@@ -201,7 +201,8 @@ def parser():
 
 
 def demo(args) -> int:
-    P, M = flags.pipeline_sizes(args)
+    P = flags.pipeline_ranks(args)
+    M = args.microbatches
     plans = schedules_for(SCHEDULES, P, M, args.chunks)
     launch.setup()
     launch.print0(f"P={P} M={M}, fp64, one step: the largest |difference| of loss and gradients from one process on "

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from harness import RankFailure, device, run, subgroup
+from harness import RankFailure, device, refusal, run, subgroup
 from mini_dist.kit import debug, launch
 from mini_dist.kit.references import torch_step
 from mini_dist.pipeline_actions import live_microbatches
@@ -270,3 +270,13 @@ def under_nccls_rule(name, M, v, headers):
                                                   (5, 7, 3, True)])
 def test_every_schedule_completes_under_nccls_in_order_rule(world, M, v, headers, name):
     assert run(world, under_nccls_rule, name, M, v, headers) == [[]] * world
+
+
+@pytest.mark.parametrize("module", ["pipeline", "pipeline_executor"])
+@pytest.mark.parametrize("argv, says", [
+    (["--microbatches", "3"], "--microbatches must be at least the rank count, 4: torch's Schedule1F1B refuses fewer"),
+    (["--width", "0"], "--width must be at least 1")])
+def test_a_pipeline_demo_refuses_fewer_microbatches_than_ranks_in_one_line(module, argv, says, monkeypatch, capsys):
+    import importlib
+    err = refusal(importlib.import_module(f"mini_dist.{module}"), 4, argv, monkeypatch, capsys)
+    assert len(err) == 1 and says in err[0], err

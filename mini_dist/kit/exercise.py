@@ -36,7 +36,7 @@ import textwrap
 if __package__:
     from mini_dist.kit.blanks import answer, blank, blanks, fill, function_at, planted, regions  # noqa: F401  (tests')
 else:  # run as a script by run.sh, with this folder on the path: nothing imports mini_dist.kit, nor torch
-    from blanks import blank, blanks, fill, function_at, regions  # noqa: F401
+    from blanks import answer, blank, blanks, fill, function_at, planted, regions  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKSPACE = os.path.join(ROOT, "exercises")

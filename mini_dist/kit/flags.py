@@ -2,7 +2,7 @@
 
     adam_check   --steps and --widths of an fp64 Adam run checked against PyTorch (zero, zero_optimizer)
     pipeline     --microbatches and --width of a pipeline step checked against one process (pipeline,
-                 pipeline_executor); pipeline_sizes reads them back as P and M, refused where torch refuses
+                 pipeline_executor); pipeline_ranks checks them and gives P, refused where torch refuses
     attention    --seq, --heads, --head-dim and --batch of an attention split over ranks (context_parallel,
                  ulysses); zigzag_ranks reads back C, the ranks, refused where the zigzag layout cannot cut --seq
     grid_5d      a 5D run: the mesh's degrees, experts, microbatches, schedule, ZeRO stage (train_5d, measure_5d)
@@ -25,13 +25,13 @@ def pipeline(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def pipeline_sizes(args) -> tuple[int, int]:
-    """P, the pipeline's ranks, and M, its microbatches: M >= P, as torch's Schedule1F1B asks."""
+def pipeline_ranks(args) -> int:
+    """P, the pipeline's ranks, once the flags are checked: --microbatches >= P, as torch's Schedule1F1B asks."""
     P = launch.env_world_size()
-    M = args.microbatches
     launch.require(args.width >= 1, "--width must be at least 1")
-    launch.require(M >= P, f"--microbatches must be at least the rank count, {P}: torch's Schedule1F1B refuses fewer")
-    return P, M
+    launch.require(args.microbatches >= P,
+                   f"--microbatches must be at least the rank count, {P}: torch's Schedule1F1B refuses fewer")
+    return P
 
 
 def attention(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
