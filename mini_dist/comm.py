@@ -86,60 +86,20 @@ class ReduceFromParallelRegion(torch.autograd.Function):
         # end exercise
 
 
-class GatherFromParallelRegion(torch.autograd.Function):
-    """Forward all-gather along dim; backward keeps my slice of the (already whole) gradient."""
+class Conjugate(torch.autograd.Function):
+    """A layout change along `dim`: forward_op moves the tensor, backward_op, its conjugate, moves the gradient
+    (the table above). Both are collectives.py's (tensor, dim, group) -> tensor."""
 
     @staticmethod
-    def forward(ctx, x, dim, group):
+    def forward(ctx, x, dim, group, forward_op, backward_op):
         ctx.dim = dim
         ctx.group = group
-        return all_gather(x, dim, group)          # [.., n, ..] -> [.., T*n, ..]
+        ctx.backward_op = backward_op
+        return forward_op(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return split(grad, ctx.dim, ctx.group), None, None
-
-
-class ScatterToParallelRegion(torch.autograd.Function):
-    """Forward keeps my slice along dim; backward all-gathers the slices' gradients."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim = dim
-        ctx.group = group
-        return split(x, dim, group)               # [.., T*n, ..] -> [.., n, ..]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """Forward all-gather along dim; backward reduce-scatter (each rank holds a partial gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim = dim
-        ctx.group = group
-        return all_gather(x, dim, group)          # [b, s/T, h] -> [b, s, h]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Forward reduce-scatter of partial sums along dim; backward all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim = dim
-        ctx.group = group
-        return reduce_scatter(x, dim, group)      # [b, s, h] partial -> [b, s/T, h] summed
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
+        return ctx.backward_op(grad, ctx.dim, ctx.group), None, None, None, None
 
 
 def f(x, group=None):
@@ -151,24 +111,28 @@ def g(x, group=None):
 
 
 def gather_from_tp(x, group=None, dim=-1):
-    return GatherFromParallelRegion.apply(x, dim, group)
+    """[.., n, ..] -> [.., T*n, ..]; every rank uses the whole the same way, so its gradient is whole: keep my slice."""
+    return Conjugate.apply(x, dim, group, all_gather, split)
 
 
 def split_to_tp(x, group=None, dim=-1):
-    return ScatterToParallelRegion.apply(x, dim, group)
+    """[.., T*n, ..] -> [.., n, ..], my slice; the slices' gradients are gathered back into a whole one."""
+    return Conjugate.apply(x, dim, group, split, all_gather)
 
 
 def gather_from_sp(x, group=None, dim=SEQ):
-    return GatherFromSequenceParallelRegion.apply(x, dim, group)
+    """[b, s/T, h] -> [b, s, h]; each rank feeds its own shard of a layer, so its gradient is a partial sum."""
+    return Conjugate.apply(x, dim, group, all_gather, reduce_scatter)
 
 
 def reduce_scatter_to_sp(x, group=None, dim=SEQ):
-    return ReduceScatterToSequenceParallelRegion.apply(x, dim, group)
+    """[b, s, h] partial sums -> [b, s/T, h] summed; the summed slices' gradients are gathered back."""
+    return Conjugate.apply(x, dim, group, reduce_scatter, all_gather)
 
 
 def split_to_sp(x, group=None, dim=SEQ):
     """A replicated input enters the sequence-parallel region: keep my s/T tokens."""
-    return ScatterToParallelRegion.apply(x, dim, group)
+    return Conjugate.apply(x, dim, group, split, all_gather)
 
 
 # ----------------------------------------------------------------------------- what each means in one process

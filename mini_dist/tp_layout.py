@@ -78,14 +78,19 @@ def _pairs(parallel, dense):
         yield p, where.get(name, Layout()), full[name]
 
 
+def _must_fit(moved, into, what: str, where: str) -> None:
+    """A shard or a whole that does not fit its parameter: the two modules were built with other sizes."""
+    if moved.shape != into.shape:
+        raise ValueError(f"{what} of shape {tuple(moved.shape)} does not fit {where} of shape {tuple(into.shape)}: "
+                         f"were both modules built with the same sizes?")
+
+
 @torch.no_grad()
 def shard_from_dense(parallel, dense, group=None):
     """Copy this rank's shard of every parameter of `dense` (same names) into `parallel`; return it."""
     for p, layout, full in _pairs(parallel, dense):
         local = _along(full, layout, split, group)
-        if local.shape != p.shape:
-            raise ValueError(f"shard of shape {tuple(local.shape)} does not fit a parameter of shape "
-                             f"{tuple(p.shape)}: were both modules built with the same sizes?")
+        _must_fit(local, p, "the shard", "the parallel parameter")
         p.copy_(local)
     return parallel
 
@@ -96,9 +101,7 @@ def gather_to_dense(parallel, dense, group=None):
     parameter's own device and dtype (the dense model need not live where its parallel twin does)."""
     for p, layout, full in _pairs(parallel, dense):
         whole = _along(p, layout, all_gather, group)
-        if whole.shape != full.shape:
-            raise ValueError(f"gathered shape {tuple(whole.shape)} does not fit the dense parameter of shape "
-                             f"{tuple(full.shape)}: were both modules built with the same sizes?")
+        _must_fit(whole, full, "the gathered whole", "the dense parameter")
         full.copy_(whole)
         grad = None if p.grad is None else _along(p.grad, layout, all_gather, group)
         full.grad = None if grad is None else grad.to(full.device, full.dtype, copy=True)

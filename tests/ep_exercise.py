@@ -93,6 +93,11 @@ class Spec(NamedTuple):
     skew: bool
     seed: int
 
+    @property
+    def L(self) -> int:
+        """Experts per rank: rank q holds experts q*L .. q*L + L - 1."""
+        return self.E // self.W
+
 
 def cases(spec: Spec):
     """Every rank's (tokens, routing), the one-process view."""
@@ -281,7 +286,7 @@ def plan_problem(p, spec, result) -> str | None:
     """Rank p's plan against the contract: every kept pair once, by expert; sent, received its counts."""
     W = spec.W
     E = spec.E
-    L = E // W
+    L = spec.L
     every = cases(spec)
     routing = every[p][1]
     token = ints(result[2])
@@ -357,12 +362,10 @@ def got_problem(p, spec, result) -> str | None:
 
 def rows_problem(p, spec, results) -> str | None:
     """Rank p's rows: from each rank q in turn, the tokens of q's plan bound for p's experts, in its plan's order."""
-    W = spec.W
-    E = spec.E
-    L = E // W
+    L = spec.L
+    h = spec.h
     every = cases(spec)
     rows = results[p][0]
-    h = spec.h
     want = []
     for q, (_, routing) in enumerate(every):
         pairs = zip(ints(results[q][2]), ints(results[q][3]))
@@ -411,10 +414,9 @@ def outputs(spec):
 
 def arrivals(spec, plans, p):
     """(q, t, j) of every row that reaches rank p, in arrival order: rank 0's first, each in its plan's order."""
-    L = spec.E // spec.W
     every = cases(spec)
     return [(q, t, j) for q, (token, choice, _) in enumerate(plans) for t, j in zip(token.tolist(), choice.tolist())
-            if every[q][1].expert[t, j].item() // L == p]
+            if every[q][1].expert[t, j].item() // spec.L == p]
 
 
 def combine_worker(spec, transport):

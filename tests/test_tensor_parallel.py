@@ -451,9 +451,9 @@ def test_bad_sizes_and_shapes_raise_clear_errors_on_every_rank_without_blocking(
         "RowParallelLinear expects inputs [..., 2], got (2, 3, 4)",
         "sequence parallel needs [batch, seq/T, hidden] inputs, got (2, 4)",
         "size along dim 1=3 is not divisible by the parallel size 2",
-        "shard of shape (4, 4) does not fit a parameter of shape (3, 4)",
+        "the shard of shape (4, 4) does not fit the parallel parameter of shape (3, 4)",
         "the dense module has no parameter '0.weight'",
-        "gathered shape (6, 4) does not fit the dense parameter of shape (8, 4)"])
+        "the gathered whole of shape (6, 4) does not fit the dense parameter of shape (8, 4)"])
 
 
 def outsider_worker():
