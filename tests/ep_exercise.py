@@ -337,10 +337,9 @@ def plan_problem(p, spec, result) -> str | None:
 
 def got_problem(p, spec, result) -> str | None:
     """Rank p's got: [W, E/W] int64, got[q, i] the rows rank q sent for its local expert i."""
-    W = spec.W
-    E = spec.E
     got = result[1]
-    want = torch.stack([counts(r, E, W)[p] for _, r in cases(spec)])
+    sends = [counts(routing, spec.E, spec.W) for _, routing in cases(spec)]  # [W, E/W]: what rank q sends where
+    want = torch.stack([sent[p] for sent in sends])
     if not isinstance(got, torch.Tensor) or got.dtype != torch.int64:
         return f"rank {p}: got is {got!r}, want an int64 tensor [W, E/W] = {list(want.shape)}"
     if got.shape != want.shape:
@@ -353,7 +352,7 @@ def got_problem(p, spec, result) -> str | None:
     if not torch.equal(got, want):
         q, i = (got != want).nonzero()[0].tolist()
         said = f"rank {p}: got[{q}, {i}] = {got[q, i].item()}, want {want[q, i].item()} (got: {got.tolist()})"
-        if torch.equal(got, counts(cases(spec)[p][1], E, W)):
+        if torch.equal(got, sends[p]):
             return said + "\n" + mistake(MISTAKES, "counts not exchanged", f"rank {p}'s got is what it sends, "
                                          f"not what it receives")
         return said
