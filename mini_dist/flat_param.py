@@ -17,9 +17,9 @@ A unit is a module (by default each child of the wrapped one; the root takes wha
 belongs to the innermost unit around it. Parameters left out of sharding (torch's ignored_params) stay
 whole in their modules, untouched here.
 
-Used by mini_dist/fsdp.py, which decides when to gather and free, one unit at a time, and records each in a
-Ledger of trace records (bytes sent and gathered: fsdp_ledger.py reads them); whole tensors again (state
-dicts): mini_dist/fsdp_state.py. Mirrors torch.distributed.fsdp._flat_param.FlatParameter (FSDP1).
+Used by mini_dist/fsdp.py, which decides when to gather and free, one unit at a time (what it did and the bytes
+gathered: kit/measure.UnitLedger; fsdp_ledger.py reads them); whole tensors again (state dicts):
+mini_dist/fsdp_state.py. Mirrors torch.distributed.fsdp._flat_param.FlatParameter (FSDP1).
 
 Demo (each rank's slices of a small model, the padding, the module's own parameters before and after a gather):
 
@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_map
 
 if not __package__:  # run as `torchrun mini_dist/flat_param.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch, trace
+from mini_dist.kit import launch
 from mini_dist.zero import Partition
 
 Slice = namedtuple("Slice", "shape start stop")  # a rank's elements [start, stop) of a flattened parameter
@@ -166,36 +166,6 @@ def flatten_units(root: nn.Module, units: list, rank: int, world: int, ignored=(
         modules.append(m)
         initial.update({names[id(p)]: p.detach() for p in params})
     return flats, modules, initial
-
-
-class Ledger:
-    """What FSDP (mini_dist/fsdp.py) did on one rank since reset(), kept as trace records (kit/trace.py: what a
-    trace file shows): events (phase, unit, what, bytes sent, bytes gathered after), and the peak gathered."""
-
-    def __init__(self):
-        self.records = []
-        self.gathered = 0  # bytes of full parameters alive now
-        self.peak = 0
-
-    def record(self, phase: str, unit: str, what: str, sent: int, gathered: int) -> None:
-        trace.mark(what, into=self.records, phase=phase, unit=unit, bytes=sent, gathered=gathered)
-        self.gathered = gathered
-        self.peak = max(self.peak, gathered)
-
-    def reset(self) -> None:
-        self.records = []
-        self.peak = self.gathered
-
-    @property
-    def events(self) -> list:
-        return [(r.args["phase"], r.args["unit"], r.name, r.args["bytes"], r.args["gathered"]) for r in self.records]
-
-    def count(self, what: str, unit: str | None = None) -> int:
-        return sum(e[2] == what and unit in (None, e[1]) for e in self.events)
-
-    @property
-    def sent(self) -> int:
-        return sum(e[3] for e in self.events)
 
 
 # ----------------------------------------------------------------------------- demo

@@ -16,9 +16,10 @@ per step, fp32 Adam, K ranks, N parameters (N' = the units' padded sizes K*S, su
     memory   16N'/K (shards of params, grads, Adam state) + root + 1 unit gathered     vs DDP  16N
     traffic  all-gather + all-gather + reduce-scatter = 3 (K-1)/K 4N'                   vs DDP  2 (K-1)/K 4N
 
-(beside DDP's: fsdp_ledger.py; `ledger` records each collective's ring bytes, (K-1) S B, and the full
-parameters' bytes alive). Naive (prefetch=False): a unit's all-gather starts when it is needed; prefetch=True
-starts the next unit's (async_op) before this one computes, forward and backward: hidden, for one unit more.
+(beside DDP's: fsdp_ledger.py; each collective is counted in the wire's LEDGER under "fsdp", of which a ring sends
+(K-1) S B; `ledger` keeps what each unit did and the full parameters' bytes alive). Naive (prefetch=False): a unit's
+all-gather starts when it is needed; prefetch=True starts the next unit's (async_op) before this one computes,
+forward and backward: hidden, for one unit more.
 
 The module keeps its parameters under their own names: between computations each is this rank's slice, a 1-D
 nn.Parameter of at most S elements (maybe 0) with its own .grad; while its unit computes, a view of the gathered
@@ -46,7 +47,9 @@ from torch.utils._pytree import tree_leaves
 if not __package__:  # run as `torchrun mini_dist/fsdp.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import flat_param, fsdp_state
-from mini_dist.kit import debug, launch, models, timing, trace, weakly, wire
+from mini_dist.kit import debug, launch, measure, models, timing, trace, weakly, wire
+
+BOOKED = "fsdp"  # the kind FSDP's all-gathers and reduce-scatters are counted under in the wire's LEDGER
 
 
 class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
@@ -64,7 +67,7 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
         self.group = group
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
-        self.ledger = flat_param.Ledger()
+        self.ledger = measure.UnitLedger()
         self._finished = []
         left_out = set(ignored_params or ())  # torch's ignored_params (a set, or None)
         units = flat_param.pick_units(module, wrap, param_dtype)
@@ -115,9 +118,9 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
         grad = full.grad
         full.grad = None
         out = torch.empty(unit.shard_numel, dtype=grad.dtype, device=grad.device)
-        self._collective(unit, "reduce-scatter of its gradient",
-                         partial(wire.call, dist.reduce_scatter_single, out, grad, group=self.group))
-        self._record("backward", unit, "reduce-scatter", out)
+        self._collective(unit, "reduce-scatter of its gradient", partial(
+            wire.call, dist.reduce_scatter_single, out, grad, group=self.group, book=(BOOKED, grad.nbytes)))
+        self.ledger.record("backward", unit.name, "reduce-scatter", self.units)
         out = out.div_(self.world).to(unit.shard.dtype)
         for p, g in zip(unit.params, unit.pieces(out)):  # each slice's .grad: a view of the flat gradient
             p.grad = g if p.grad is None else p.grad.add_(g)
@@ -131,7 +134,7 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
         for p in self.ignored:
             if p.requires_grad:
                 grad = torch.zeros_like(p) if p.grad is None else p.grad
-                wire.call(dist.all_reduce, grad, group=self.group)
+                wire.call(dist.all_reduce, grad, group=self.group, book=("all_reduce", grad.nbytes))
                 p.grad = grad.div_(self.world)
 
     # ----- gathering, freeing and prefetching, each collective recorded in the ledger
@@ -142,7 +145,7 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
         following = order[order.index(unit) + 1:] if unit in order else []
         if self.prefetch and following:
             self._gather(following[0], phase, wait=False)
-        self._record(phase, unit, "compute")
+        self.ledger.record(phase, unit.name, "compute", self.units)
 
     def _gather(self, unit, phase: str, wait: bool = True) -> None:
         """All-gather the unit's full vector into its re-allocated storage (left in flight unless wait)."""
@@ -152,9 +155,10 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
             shard = unit.shard.to(full.dtype)  # in param_dtype: half the bytes on the wire
             # .data: autograd saved views of `full` in forward and checks they were not rewritten in
             # place; we refill the very values they held, so the write must not bump the version.
-            gather = partial(wire.call, dist.all_gather_single, full.data, shard, group=self.group, async_op=True)
+            gather = partial(wire.call, dist.all_gather_single, full.data, shard, group=self.group, async_op=True,
+                             book=(BOOKED, full.nbytes))
             unit.work = (self._collective(unit, f"all-gather for {phase}", gather), shard)
-            self._record(phase, unit, "all-gather", shard)
+            self.ledger.record(phase, unit.name, "all-gather", self.units)
         if wait and unit.work is not None:
             self._collective(unit, f"all-gather for {phase}", unit.work[0].wait)
             unit.work = None
@@ -164,7 +168,7 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
         if unit.gathered:
             self._gather(unit, phase)  # a prefetch still in flight must land before its buffer goes
             unit.full.untyped_storage().resize_(0)
-            self._record(phase, unit, "free")
+            self.ledger.record(phase, unit.name, "free", self.units)
 
     def _collective(self, unit, what: str, run):
         """A rank that died or timed out surfaces here, often inside loss.backward(): say where we were."""
@@ -174,11 +178,6 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
         except RuntimeError as e:  # a rank that left quietly is named: torchrun would blame the first to fail
             cause = debug.lost_rank() or f"{e} (the first rank to fail says why in its own log)"
             raise RuntimeError(f"FSDP unit {unit.name!r}: {what} failed on rank {dist.get_rank()}: {cause}") from e
-
-    def _record(self, phase: str, unit, what: str, piece: torch.Tensor | None = None) -> None:
-        sent = 0 if piece is None else (self.world - 1) * piece.nbytes  # a ring sends K-1 pieces of a shard
-        gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)
-        self.ledger.record(phase, unit.name, what, sent, gathered)
 
     # ----- the module's face: forward, its parameters (state dicts: fsdp_state.StateDicts)
 
@@ -252,9 +251,7 @@ def demo(args) -> int:
     steps = {k: partial(models.regression_step, m, torch.optim.Adam(m.parameters(), lr=1e-4), x, y)
              for k, m in fsdps.items()}
     seconds = {k: timing.median(t) for k, t in timing.paired(steps, args.repeats).items()}
-    for k, m in fsdps.items():
-        m.ledger.reset()
-        steps[k]()  # the step the ledger shows
+    sent_by = {k: measure.step_sent(steps[k], m.ledger, BOOKED, K) for k, m in fsdps.items()}  # the step shown
     units = fsdps["naive"].units
     full = [u.full.nbytes for u in units]  # the root first
     shards = sum(u.shard.nbytes for u in units)
@@ -268,8 +265,8 @@ def demo(args) -> int:
         f"{'':24}{'gathers':>8} {'gathered params, peak = formula':>40} {'sent per step':>16} {'step':>9}")
     for k, m in fsdps.items():
         say(f"{k:24}{m.ledger.count('all-gather', units[1].name):>8} {m.ledger.peak:>14,} B = {formula[k][0]:16}"
-            f"{m.ledger.sent:>14,} B {seconds[k] * 1e3:6.1f} ms")
-    figure_ok = all(m.ledger.peak == formula[k][1] and m.ledger.sent == sent[k] and m.ledger.gathered == 0
+            f"{sent_by[k]:>14,} B {seconds[k] * 1e3:6.1f} ms")
+    figure_ok = all(m.ledger.peak == formula[k][1] and sent_by[k] == sent[k] and m.ledger.gathered == 0
                     for k, m in fsdps.items())
     return launch.conclude("fsdp", worst <= allowed and stepped, f"= fully_shard (max diff {worst:.0e})",
                            figure_ok, f"gathered peak root + 2 units = {formula['prefetch'][1]:,} B (naive root + "

@@ -13,7 +13,7 @@ units gathered at the moment, and pays for it with a second all-gather:
 "kept" is reshard_after_forward=False: the whole model is alive from forward to backward, so its
 parameters alone, 4N'/K + 4N', exceed DDP's 4N; what FSDP saves is the gradients and the optimizer
 state, 12N of DDP's 16N, which only shrink when sharded. Every number is read from the tensors'
-storages and from FSDP's ledger, never from the formula.
+storages, FSDP's ledger and the wire's, never from the formula.
 
     torchrun --standalone --nproc_per_node=4 mini_dist/fsdp_ledger.py [--depth 6 --width 256]
 
@@ -28,8 +28,8 @@ import torch.distributed as dist
 if not __package__:  # run as `torchrun mini_dist/fsdp_ledger.py`: Python put mini_dist/ on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist.ddp import DistributedDataParallel
-from mini_dist.fsdp import FullyShardedDataParallel
-from mini_dist.kit import launch, models
+from mini_dist.fsdp import BOOKED, FullyShardedDataParallel
+from mini_dist.kit import launch, measure, models
 from mini_dist.kit.wire import LEDGER
 from mini_dist.ring_pipelined import ring_all_reduce
 from mini_dist.zero_ledger import storage_bytes
@@ -37,19 +37,22 @@ from mini_dist.zero_ledger import storage_bytes
 
 def trained(width: int = 8, hidden: int = 32, depth: int = 3, steps: int = 2, **options):
     """FSDP (each Block a unit) over models.block_stack, fp32, after `steps` Adam steps on this rank's batch,
-    zero_grad first: the ledger holds the last step, whose gradients are still there. -> (model, adam)"""
+    zero_grad first: the ledger holds the last step, whose gradients are still there. -> (model, adam, the bytes
+    a ring sends on this rank in that step)"""
     model = FullyShardedDataParallel(models.block_stack(width, hidden, depth, torch.float32, launch.device()),
                                      wrap=models.Block, **options)
     adam = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(4, width, generator=g).to(launch.device())
     y = torch.randn(4, width, generator=g).to(launch.device())
-    for _ in range(steps):
-        model.ledger.reset()
+
+    def step():
         adam.zero_grad()
         (model(x) - y).square().mean().backward()
         adam.step()
-    return model, adam
+    for _ in range(steps):
+        sent = measure.step_sent(step, model.ledger, BOOKED, dist.get_world_size())
+    return model, adam, sent
 
 
 def memory_per_rank(model, optimizer) -> dict:
@@ -95,8 +98,8 @@ def demo(args) -> int:
     adam = torch.optim.Adam(ddp.parameters(), lr=1e-3)
     sent = {"DDP": ddp_sent(ddp)}  # its backward left the gradients, and a step makes Adam's state
     adam.step()
-    memory = {"DDP": memory_per_rank(ddp, adam)} | {k: memory_per_rank(*r) for k, r in rows.items()}
-    sent |= {k: mean_over_ranks(m.ledger.sent) for k, (m, _) in rows.items()}
+    memory = {"DDP": memory_per_rank(ddp, adam)} | {k: memory_per_rank(m, opt) for k, (m, opt, _) in rows.items()}
+    sent |= {k: mean_over_ranks(sent_in_step) for k, (_, _, sent_in_step) in rows.items()}
     units = rows["FSDP naive"][0].units
     N = sum(u.numel for u in units)
     S = sum(u.shard_numel for u in units)  # N'/K: my padded shards

@@ -33,7 +33,8 @@ if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ o
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mini_dist import cost_model, gpt_ledger, rank_ledger
 from mini_dist.expert_parallel import ExpertParallelMoE
-from mini_dist.kit import flags, launch
+from mini_dist.fsdp import BOOKED
+from mini_dist.kit import flags, launch, measure
 from mini_dist.kit.measure import PeakSaved, side_by_side
 from mini_dist.kit.wire import LEDGER
 from mini_dist.mesh import Mesh, grid_for
@@ -76,7 +77,7 @@ class MeasuredTrainer(Trainer):
         for routed in self.routed:
             routed.clear()
         loss, stats = super().step(step)
-        dp = sum(f.ledger.sent for f in self.fsdp) if self.fsdp else LEDGER.bytes["ring"]
+        dp = measure.ring_sent(BOOKED, self.fsdp[0].world) if self.fsdp else LEDGER.bytes["ring"]
         self.bytes.append({"dp": dp, "pp": stats.bytes_sent, "cp": LEDGER.bytes["ring attention"],
                            "tp": LEDGER.bytes["all_reduce"], "ep": LEDGER.bytes["all_to_all"]})
         self.memory = {**self.held(), "activations": self.peak}

@@ -500,13 +500,13 @@ def test_ddp_bytes_per_step_equal_the_ring_ledger_of_ddp_py(world, widths):
 
 def fsdp_ledger(widths):
     """One FSDP step, the whole model one unit: bytes sent by its all-gathers and reduce-scatter."""
-    from mini_dist.fsdp import FullyShardedDataParallel
+    from mini_dist.fsdp import BOOKED, FullyShardedDataParallel
+    from mini_dist.kit import measure
     model = linear_stack(widths).to(device())
     numel = sum(p.numel() for p in model.parameters())
     fsdp = FullyShardedDataParallel(model, wrap=[])  # no children as units: the root is the one unit
-    fsdp.ledger.reset()
-    fsdp(torch.randn(2, widths[0], generator=rank_generator(2)).to(device())).sum().backward()
-    return fsdp.ledger.sent, numel
+    x = torch.randn(2, widths[0], generator=rank_generator(2)).to(device())
+    return measure.step_sent(lambda: fsdp(x).sum().backward(), fsdp.ledger, BOOKED, dist.get_world_size()), numel
 
 
 @settings(max_examples=10)

@@ -34,7 +34,9 @@ import grading
 from fsdp_exercise import MISTAKES  # noqa: F401  (the hooks', declared beside their judge)
 from harness import BACKEND, RankFailure, device, rank_generator, run, subgroup
 from mini_dist import ring_allreduce as ring
+from mini_dist.fsdp import BOOKED
 from mini_dist.fsdp import FullyShardedDataParallel as FSDP
+from mini_dist.kit import measure, wire
 from mini_dist.kit.models import Block
 
 FP64_ATOL = 1e-14
@@ -219,9 +221,9 @@ def ledger_of_one_step(width, hidden, mask, reshard, prefetch, param_dtype=None)
     ours = FSDP(model, wrap=wrapped(model, mask), reshard_after_forward=reshard, prefetch=prefetch,
                 param_dtype=param_dtype)
     x, y = batches(width, seed=1, dtype=torch.float32)[0]
-    ours.ledger.reset()
-    ((ours(x).float() - y) ** 2).mean().backward()
-    step = {"peak": ours.ledger.peak, "after": ours.ledger.gathered, "sent": ours.ledger.sent,
+    sent = measure.step_sent(lambda: ((ours(x).float() - y) ** 2).mean().backward(), ours.ledger, BOOKED,
+                             dist.get_world_size())
+    step = {"peak": ours.ledger.peak, "after": ours.ledger.gathered, "sent": sent,
             "units": [u.name for u in ours.units],
             "full": [u.full.numel() * u.full.element_size() for u in ours.units],
             "counts": {u.name: (ours.ledger.count("all-gather", u.name),
@@ -293,7 +295,7 @@ def test_peak_of_gathered_parameters_in_forward_and_in_backward_is_root_plus_wha
         else:
             expected = root + max(units, default=0)
         for phase in ("forward", "backward"):
-            assert max(e[4] for e in step["events"] if e[0] == phase) == expected
+            assert max(e[3] for e in step["events"] if e[0] == phase) == expected
         assert step["peak"] == expected and step["after"] == 0
 
 
@@ -600,7 +602,11 @@ def every_gradient_against_one_process(world_seed):
     model = small_transformer(5, (7, 4))
     ours = FSDP(model, wrap=NormBlock, ignored_params=set(norms(model)))
     ids, targets = token_batches(seed=world_seed, steps=1)[0]
+    wire.LEDGER.reset()
     cross_entropy(ours, ids, targets).backward()
+    whole = [p for p in norms(model) if p.requires_grad]  # all-reduced one by one at the end of backward
+    books = {"booked": (wire.LEDGER.calls["all_reduce"], wire.LEDGER.bytes["all_reduce"]),
+             "whole": (len(whole), sum(p.nbytes for p in whole))}
     (all_ids, all_targets), = gathered_batches([(ids, targets)])
     single = small_transformer(5, (7, 4))
     cross_entropy(single, all_ids, all_targets).backward()
@@ -615,12 +621,14 @@ def every_gradient_against_one_process(world_seed):
             want = want.reshape(-1)[start:stop]
         if p.numel():
             compared.append((name, kind, tuple(p.shape) == tuple(want.shape) and (p.grad - want).abs().max().item()))
-    return compared
+    return compared, books
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_after_backward_every_parameter_the_module_holds_has_one_process_gradient_sharded_and_ignored_alike(world):
-    for rank, compared in enumerate(run(world, every_gradient_against_one_process, world)):
+    for rank, (compared, books) in enumerate(run(world, every_gradient_against_one_process, world)):
+        assert books["booked"] == books["whole"], f"rank {rank}: the wire's LEDGER booked (all-reduces, payload " \
+            f"bytes) {books['booked']}; the parameters left whole are {books['whole']}"
         kinds = {kind for _, kind, _ in compared}
         assert kinds == {"sharded", "ignored"}, f"rank {rank} compared {kinds} only"
         wrong = [(name, kind, diff) for name, kind, diff in compared if diff is False or diff > FP64_ATOL]

@@ -14,7 +14,7 @@ KINDS = {"naive": dict(prefetch=False), "prefetch": {}, "kept": dict(reshard_aft
 
 
 def memory_worker(depth, width, kind):
-    model, adam = fsdp_ledger.trained(width, 2 * width, depth, **KINDS[kind])
+    model, adam, _ = fsdp_ledger.trained(width, 2 * width, depth, **KINDS[kind])
     return (fsdp_ledger.memory_per_rank(model, adam), sum(u.shard_numel for u in model.units),
             sum(p.numel() for p in model.parameters()), [u.full.nbytes for u in model.units])
 

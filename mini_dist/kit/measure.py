@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 if not __package__:  # run as `torchrun mini_dist/kit/measure.py`: Python put mini_dist/kit/ on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from mini_dist.kit import launch
+from mini_dist.kit import launch, trace, wire
 
 
 class SavedTensors:
@@ -214,6 +214,48 @@ def peak_bytes(step, device) -> int:
         done.set()
         sampler.join()
     return max(0, peak - base)
+
+
+class UnitLedger:
+    """What FSDP (mini_dist/fsdp.py) did to its units on one rank since reset(), kept as trace records (kit/trace.py:
+    what a trace file shows): events (phase, unit, what, bytes of full parameters alive after), and their peak."""
+
+    def __init__(self):
+        self.records = []
+        self.gathered = 0  # bytes of full parameters alive now
+        self.peak = 0
+
+    def record(self, phase: str, unit: str, what: str, units) -> None:
+        """`what` happened to `unit`; `units` (each with its gathered vector .full) say what is alive after."""
+        gathered = sum(u.full.untyped_storage().nbytes() for u in units)
+        trace.mark(what, into=self.records, phase=phase, unit=unit, gathered=gathered)
+        self.gathered = gathered
+        self.peak = max(self.peak, gathered)
+
+    def reset(self) -> None:
+        self.records = []
+        self.peak = self.gathered
+
+    @property
+    def events(self) -> list:
+        return [(r.args["phase"], r.args["unit"], r.name, r.args["gathered"]) for r in self.records]
+
+    def count(self, what: str, unit: str | None = None) -> int:
+        return sum(e[2] == what and unit in (None, e[1]) for e in self.events)
+
+
+def ring_sent(kind: str, world: int) -> int:
+    """Bytes a ring sends on this rank for the all-gathers and reduce-scatters the wire's LEDGER counted under `kind`
+    since its reset: (K-1)/K of their payload, each a vector padded to K equal pieces (FSDP's units)."""
+    return wire.LEDGER.bytes[kind] * (world - 1) // world
+
+
+def step_sent(step, ledger, kind: str, world: int) -> int:
+    """step() with `ledger` and the wire's LEDGER reset first (ledger then holds that step): its ring_sent."""
+    ledger.reset()
+    wire.LEDGER.reset()
+    step()
+    return ring_sent(kind, world)
 
 
 # ----- demo: what an MLP keeps for backward, measured, beside what it should keep -----

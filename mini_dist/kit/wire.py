@@ -7,8 +7,7 @@
     irecv(tensor, peer, group, label)
     wait(posted)                                    wait for it; a peer that died is named (PeerLost)
     with collective(kind, nbytes, group): ...       around one of torch's collectives: counted, watched
-    call(dist.fn, *args, group=group, **kwargs)     one of torch's collectives called by a module that keeps its
-                                                    own books (DDP, ZeRO, FSDP, the checkpoint): watched
+    call(dist.fn, *args, group=group, book=...)     one of torch's collectives: watched; counted if booked
     LEDGER                                          what this rank moved, by kind
 
 Peers are ranks of `group`, as torch's group_peer; errors name global ranks: a message or a collective that
@@ -17,13 +16,13 @@ tensors stay home: both ends skip the same empty piece. A batch is what NCCL nee
 sends and receives in order on one stream, where a ring whose ranks all send first waits forever
 (mini_dist/nccl_order.py).
 
-The ledger counts, per kind (what the bytes are for): calls and payload bytes (the D of the formulas: a
-collective's tensor, a message's bytes at its send), and the bytes point-to-point sends and receives moved.
-Kinds: torch's collectives by name ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"), "ring"
-(mini_dist's collectives built from sends: the rings, topology's algorithms; the default), "ring attention"
-(K/V blocks), "pipeline" (activations and their gradients). A message of kind None is counted in bytes sent
-and received only: the call that posts it counted its payload already (the expert all-to-all). Debug traffic
-(kind DEBUG: the size and shape checks of MINI_DIST_DEBUG=1) is posted, waited for and named like any other,
+The ledger counts, per kind (what the bytes are for): calls and payload bytes (the D of the formulas: a collective's
+tensor, a message's bytes at its send), and the bytes point-to-point sends and receives moved. Kinds: torch's
+collectives by name ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"), "ring" (mini_dist's collectives
+built from sends: the rings, topology's algorithms; the default), "ring attention" (K/V blocks), "pipeline"
+(activations and their gradients), "fsdp" (its all-gathers and reduce-scatters). A message of kind None is counted
+in bytes sent and received only: the call that posts it counted its payload already (the expert all-to-all). Debug
+traffic (kind DEBUG: the size and shape checks of MINI_DIST_DEBUG=1) is posted, waited for and named like any other,
 but never counted, watched or printed, so every figure and VERBOSE line reads the same with debug on or off.
 
 `LEDGER.watchers` are called with every counted message as it is about to be posted, and every collective:
@@ -72,12 +71,14 @@ class Ledger:
     def received(self) -> int:
         return sum(self.received_by.values())
 
-    def record(self, kind: str, nbytes: int, group=None, label=None) -> None:
-        """One collective of `kind` with a payload of nbytes (its tensor: D of the formulas)."""
-        self.calls[kind] += 1
-        self.bytes[kind] += nbytes
+    def record(self, kind: str | None, nbytes: int, group=None, label=None, event=None) -> None:
+        """One collective of `kind`, its payload nbytes (its tensor: D of the formulas), told to the watchers as
+        `event` (by default its kind); kind None: watched only."""
+        if kind is not None:
+            self.calls[kind] += 1
+            self.bytes[kind] += nbytes
         for watcher in self.watchers:
-            watcher(kind, None, group, nbytes, kind, label)
+            watcher(event or kind, None, group, nbytes, kind, label)
 
     def message(self, doing: str, nbytes: int, peer: int, group, kind, label) -> None:
         """One send (doing SEND) or receive to / from group rank `peer`, about to be posted."""
@@ -129,12 +130,11 @@ class collective(naming):
         return super().__exit__(kind, error, traceback)
 
 
-def call(collective_fn, *args, group=None, **kwargs):
-    """collective_fn(*args, group=group, **kwargs): one of torch's collectives, not counted (its module keeps its
-    own books), seen by the watchers, and its failure named; an async_op's too, when waited for."""
+def call(collective_fn, *args, group=None, book=(None, 0), **kwargs):
+    """collective_fn(*args, group=group, **kwargs): one of torch's collectives, watched, its failure named (an
+    async_op's too, when waited for); counted in LEDGER when book=(kind, payload bytes) says what it moves."""
     what = collective_fn.__name__
-    for watcher in LEDGER.watchers:
-        watcher(what, None, group, 0, None, None)
+    LEDGER.record(*book, group, event=what)
     try:
         with naming(what):
             work = collective_fn(*args, group=group, **kwargs)

@@ -24,13 +24,13 @@ def stages_memory_and_traffic(widths=WIDTHS) -> tuple[str, bool]:
     exact = all(r.memory == r.formula and r.sent == r.sent_formula for r in rows.values())
     per_n = {s: sum(r.memory) / r.partition.numel for s, r in rows.items()}
     sent = {s: r.sent for s, r in rows.items()}
-    fsdp, adam = trained()  # models.block_stack(8, 32, 3): N = 1,800, each Block a unit
+    fsdp, adam, fsdp_sent = trained()  # models.block_stack(8, 32, 3): N = 1,800, each Block a unit
     got = memory_per_rank(fsdp, adam)
     N = sum(u.numel for u in fsdp.units)
     S = sum(u.shard_numel for u in fsdp.units)  # N'/K, padding included
     mine = sum(p.numel() for p in fsdp.parameters())  # the real elements of my shards
     per_n[3] = (got["params"] + got["grads"] + got["state"]) / N
-    sent[3] = fsdp.ledger.sent
+    sent[3] = fsdp_sent
     exact &= [got["params"], got["grads"], got["state"]] == [4 * S, 4 * S, 8 * mine] and sent[3] == 3 * (K - 1) * 4 * S
     ddp_like = {1: sent[0], 2: sent[0], 3: 2 * (K - 1) * 4 * S}  # what DDP sends for the same model
     ratio = {s: sent[s] / ddp_like[s] if K > 1 else 1.0 for s in (1, 2, 3)}
@@ -64,13 +64,11 @@ def traffic_vs_ddp() -> tuple[str, bool]:
     """Question 9: FSDP sends 3(K-1)/K of the weights' bytes per step, 1.5x DDP's 2(K-1)/K: the second
     all-gather."""
     K = dist.get_world_size()
-    sharded = trained()[0]
-    kept = trained(reshard_after_forward=False)[0]
+    fsdp = mean_over_ranks(trained()[2])  # bytes sent in its last step
+    kept_sent = mean_over_ranks(trained(reshard_after_forward=False)[2])
     plain = models.block_stack(8, 32, 3, torch.float32, launch.device())  # the same model, bare, under DDP
     D = sum(p.nbytes for p in plain.parameters())
     ddp = ddp_sent(plain)
-    fsdp = mean_over_ranks(sharded.ledger.sent)
-    kept_sent = mean_over_ranks(kept.ledger.sent)
     figure = (f"per rank per step, D = {D:,} B of fp32 weights: DDP's ring all-reduce {ddp:,.0f} B = 2(K-1)/K D; "
               f"FSDP {fsdp:,.0f} B = 3(K-1)/K D (gather for forward, gather again for backward, reduce-scatter): "
               f"{fsdp / max(ddp, 1):.2f}x; keeping the weights after forward: {kept_sent / max(ddp, 1):.2f}x")
