@@ -127,7 +127,8 @@ class Reducer:
             if self.hook:
                 bucket.future = self.hook(self.hook_state, bucket)
             elif self.all_reduce is dist.all_reduce:
-                bucket.future = wire.call(dist.all_reduce, bucket.flat, group=self.group, async_op=True).get_future()
+                bucket.future = wire.call(dist.all_reduce, bucket.flat, group=self.group, async_op=True,
+                                          book=("all_reduce", bucket.flat.nbytes)).get_future()
             else:
                 bucket.future = launch_on_comm_thread(functools.partial(self.all_reduce, bucket.flat, group=self.group))
         except Exception as e:

@@ -197,6 +197,23 @@ def test_no_sync_sends_nothing_until_the_last_micro_step_which_sends_2_n_minus_1
         assert all(torch.equal(r[2][-1], results[0][2][-1]) for r in results)
 
 
+def booked_on_torchs_all_reduce(seed):
+    torch.manual_seed(seed)
+    model = Net([5, 7, 3])
+    mini = ddp.DistributedDataParallel(model, bucket_cap_mb=1e-4)  # dist.all_reduce, a bucket per few params
+    x, y = draw_batches(rank_generator(seed), [5, 7, 3], 2, 1)[0]
+    LEDGER.reset()
+    nn.functional.mse_loss(mini(x), y).backward()
+    return LEDGER.calls["all_reduce"], LEDGER.bytes["all_reduce"], len(mini.buckets), trainable_bytes(model)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_on_torchs_all_reduce_each_bucket_is_booked_once_in_the_wires_ledger_with_its_payload(world):
+    for rank, (calls, payload, n_buckets, D) in enumerate(run(world, booked_on_torchs_all_reduce, 3)):
+        assert (calls, payload) == (n_buckets, D), f"rank {rank}: the wire's LEDGER booked {calls} all-reduces of " \
+            f"{payload} B in all, want one a bucket ({n_buckets}) and the gradients' {D} B"
+
+
 def backward_with_a_branch(used_by, find_unused, optimizer, seed):
     """A branch only the ranks in used_by run; returns mini's and native's parameters after 2 steps."""
     torch.manual_seed(seed + dist.get_rank())
