@@ -1,4 +1,4 @@
-"""Measuring memory instead of assuming it: tensors saved for backward, and a step's peak bytes.
+"""Measuring memory instead of assuming it: tensors saved for backward, a step's peak bytes, FSDP's gathered units.
 
 Activation memory is what autograd keeps from forward for backward. `SavedTensors` counts it exactly with
 torch.autograd.graph.saved_tensors_hooks, which sees every tensor an autograd function saves, on any
@@ -9,7 +9,8 @@ activation storages alive after every op of forward and backward (where recomput
 
 The peak of a whole step is the allocator's: on CUDA, torch.cuda.max_memory_allocated; on the CPU, which
 keeps no such counter, glibc's heap bytes in use (mallinfo2), sampled every 0.1 ms by a thread while the
-step runs, so it is a lower bound that catches anything alive for longer than that.
+step runs, so it is a lower bound that catches anything alive for longer than that. `UnitLedger` keeps what FSDP
+did to each unit and the bytes gathered; what it sends is the wire's LEDGER's, read as a ring's by `ring_sent`.
 
 Demo (an L-layer Linear + Tanh stack: saved bytes beside their formula, activations alive during backward):
 
