@@ -72,7 +72,10 @@ class NaiveDataParallel(nn.Module):
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            self.all_reduce(p.grad, group=self.group)
+            if self.all_reduce is dist.all_reduce:  # torch's: through the wire, counted and named, as the reducer's
+                wire.call(dist.all_reduce, p.grad, group=self.group, book=("all_reduce", p.grad.nbytes))
+            else:
+                self.all_reduce(p.grad, group=self.group)
             p.grad.div_(dist.get_world_size(self.group))
             sent += p.grad.nbytes
         records = []  # the trace's record of the sync (kit/trace.py), and the Timeline drawn from it

@@ -204,14 +204,23 @@ def booked_on_torchs_all_reduce(seed):
     x, y = draw_batches(rank_generator(seed), [5, 7, 3], 2, 1)[0]
     LEDGER.reset()
     nn.functional.mse_loss(mini(x), y).backward()
-    return LEDGER.calls["all_reduce"], LEDGER.bytes["all_reduce"], len(mini.buckets), trainable_bytes(model)
+    bucketed = (LEDGER.calls["all_reduce"], LEDGER.bytes["all_reduce"])
+    naive = ddp.NaiveDataParallel(Net([5, 7, 3]))
+    LEDGER.reset()
+    nn.functional.mse_loss(naive(x), y).backward()
+    naive.sync_gradients()
+    by_hand = (LEDGER.calls["all_reduce"], LEDGER.bytes["all_reduce"])
+    n_trainable = sum(p.requires_grad for p in model.parameters())
+    return bucketed, by_hand, len(mini.buckets), n_trainable, trainable_bytes(model)
 
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_on_torchs_all_reduce_each_bucket_is_booked_once_in_the_wires_ledger_with_its_payload(world):
-    for rank, (calls, payload, n_buckets, D) in enumerate(run(world, booked_on_torchs_all_reduce, 3)):
-        assert (calls, payload) == (n_buckets, D), f"rank {rank}: the wire's LEDGER booked {calls} all-reduces of " \
-            f"{payload} B in all, want one a bucket ({n_buckets}) and the gradients' {D} B"
+    for rank, (bucketed, by_hand, n_buckets, n_trainable, D) in enumerate(run(world, booked_on_torchs_all_reduce, 3)):
+        assert bucketed == (n_buckets, D), f"rank {rank}: the wire's LEDGER booked (all-reduces, bytes) " \
+            f"{bucketed} for mini DDP, want one a bucket ({n_buckets}) and the gradients' {D} B"
+        assert by_hand == (n_trainable, D), f"rank {rank}: the wire's LEDGER booked (all-reduces, bytes) " \
+            f"{by_hand} for the naive DDP, want one a gradient ({n_trainable}) and {D} B"
 
 
 def backward_with_a_branch(used_by, find_unused, optimizer, seed):
