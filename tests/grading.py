@@ -79,7 +79,8 @@ def one_line(lines: list[str]) -> str:
 
 def rank_failure(text: str) -> tuple[str, list[str], int | None]:
     """From a RankFailure's text: the cause (the first rank's own error, not a wait its peers then timed out),
-    where each waiting rank waited in the learner's file, and the line of the learner's file the cause raised at."""
+    where each waiting rank waited in the learner's file, and the line of the learner's file the cause raised at
+    (when every rank waited, where the first of them waited: the hint is for that function)."""
     from mini_dist.kit.debug import TIMED_OUT
     waited = re.compile(TIMED_OUT.pattern + WAITED)
     said = re.findall(r"^\s*(rank \d+)(?: failed: |: )(.*)$", text, re.M)
@@ -90,6 +91,7 @@ def rank_failure(text: str) -> tuple[str, list[str], int | None]:
     frame = re.compile(r'File "' + re.escape(EXERCISE or "") + r'", line (\d+), in (\w+)\n\s*(.+)')
     where = []
     at = None
+    first_wait = None
     hung = any(TIMED_OUT.search(line) for _, line in said)
     for rank, block in blocks.items():
         frames = frame.findall(block)
@@ -104,7 +106,8 @@ def rank_failure(text: str) -> tuple[str, list[str], int | None]:
             peer = re.search(r"(?:recv from|send to|waited for) (rank \d+|any rank)", block)
             whom = f" for {peer.group(1)}" if peer else ""
             where.append(f"rank {rank} waited{whom} at {MODULE}.py:{line} in {function}: {code.strip()}")
-    return error, where, at
+            first_wait = int(line) if first_wait is None else first_wait
+    return error, where, at if at is not None else first_wait
 
 
 def failure_lines(kind: str, message: str, notes: list[str]) -> tuple[list[str], int | None]:

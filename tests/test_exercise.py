@@ -237,6 +237,7 @@ def test_the_report_names_the_rank_whose_own_error_came_first_and_where_only_the
     lines = logical(lines)
     assert lines[0] == "      yours: rank 1: PeerLost: recv from rank 0 timed out (Timed out waiting 10000ms)"
     assert [x.split(" at ")[0].strip() for x in lines[1:]] == ["rank 0 waited", "rank 1 waited for rank 0"]
+    assert line == 83  # no rank raised: the hint is for the function where the first rank waited
 
 
 @pytest.mark.single_process
@@ -432,6 +433,7 @@ def test_a_hang_is_named_with_the_line_where_each_rank_waited(tmp_path):
     # each rank waits for its right neighbour: a cycle through every rank of the world hypothesis ended with
     # (shrinking stops after 10 s, so not always at the smallest world that hangs, 2 ranks)
     world = int(re.search(r"smallest case: .*\bworld=(\d+)", out).group(1))
+    assert "hint: for textbook_all_gather_steps, ./run.sh hint" in out, out
     waits = re.findall(r"rank (\d+) waited for rank (\d+) at ring_allreduce.py:\d+ in textbook_all_gather_steps: "
                        r"dist.recv\(", out)
     assert sorted((int(r), int(s)) for r, s in waits) == [(r, (r + 1) % world) for r in range(world)], out
@@ -481,6 +483,32 @@ def recv_from_a_silent_peer(use_group_src):
         return None
     finally:
         dist.send, dist.recv = real
+
+
+@pytest.mark.single_process
+def test_a_learners_blocking_call_whose_peer_left_names_that_peer(monkeypatch):
+    """A peer that timed out first, or failed, closes its end: gloo says "Connection closed by peer" and names
+    no rank, so the check names the one this rank waited for. Any other error is the learner's own, untouched."""
+    import torch
+    import torch.distributed as dist
+
+    from mini_dist.kit.debug import PeerLost
+    from mini_dist.kit.stand_in import name_peers
+
+    def closed(tensor, *args, **kwargs):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5530")
+
+    def mismatched(tensor, *args, **kwargs):
+        raise RuntimeError("the sizes do not match")
+    monkeypatch.setattr(dist, "recv", closed)
+    monkeypatch.setattr(dist, "send", mismatched)
+    name_peers()
+    with pytest.raises(PeerLost, match=r"^recv from rank 1 failed \(\[\S+\] Connection closed by peer "
+                                       r"\[127.0.0.1\]:5530\): rank 1 left while this rank waited for it; its own "
+                                       r"error says why$"):
+        dist.recv(torch.zeros(1), src=1)
+    with pytest.raises(RuntimeError, match="^the sizes do not match$"):
+        dist.send(torch.zeros(1), 2)
 
 
 @pytest.mark.parametrize("use_group_src", [False, True])

@@ -8,7 +8,11 @@ changes, so a learner's unfinished exercises/comm.py never stands in for comm wh
 import importlib.abc
 import importlib.util
 import os
+import re
 import sys
+
+# gloo's words when the peer's process closed its end while this rank waited (it failed first, or timed out first)
+LEFT = re.compile(r"[Cc]onnection (closed|reset)")
 
 
 class StandIn(importlib.abc.MetaPathFinder):
@@ -29,7 +33,8 @@ def stand_in(path: str) -> None:
 
 def name_peers() -> None:
     """In a check, a learner's blocking dist.send / dist.recv that outlives the group's timeout says which rank
-    it waited for: gloo's own words name no peer, and a hang is named by who waits for whom."""
+    it waited for, and so does one whose peer left while it waited (that peer timed out first, or failed):
+    gloo's own words name no peer, and a hang is named by who waits for whom."""
     import torch.distributed as dist
 
     def named(fn, way, ends):  # ends: the peer's keywords, global and group rank (src, group_src or dst, ...)
@@ -38,15 +43,20 @@ def name_peers() -> None:
                 return fn(tensor, *args, **kwargs)
             except RuntimeError as e:
                 from mini_dist.kit.debug import TIMED_OUT, PeerLost  # not at install: a rank's fork server runs it
-                if not TIMED_OUT.search(str(e)):
+                timed_out = TIMED_OUT.search(str(e))
+                if not timed_out and not LEFT.search(str(e)):
                     raise
                 peer = args[0] if args else kwargs.get(ends[0])
                 group = args[1] if len(args) > 1 else kwargs.get("group")
                 if peer is None and kwargs.get(ends[1]) is not None:
                     peer = dist.get_global_rank(group or dist.group.WORLD, kwargs[ends[1]])
                 who = "any rank" if peer is None else f"rank {peer}"
-                raise PeerLost(f"{way} {who} timed out ({str(e).splitlines()[0]}): {who} never posted the "
-                               f"matching {'recv' if way.startswith('send') else 'send'}; is it waiting too?") from e
+                first = str(e).splitlines()[0]
+                if timed_out:
+                    raise PeerLost(f"{way} {who} timed out ({first}): {who} never posted the matching "
+                                   f"{'recv' if way.startswith('send') else 'send'}; is it waiting too?") from e
+                raise PeerLost(f"{way} {who} failed ({first}): {who} left while this rank waited for it; "
+                               f"its own error says why") from e
         return call
     dist.send = named(dist.send, "send to", ("dst", "group_dst"))
     dist.recv = named(dist.recv, "recv from", ("src", "group_src"))
