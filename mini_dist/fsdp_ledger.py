@@ -39,6 +39,8 @@ def trained(width: int = 8, hidden: int = 32, depth: int = 3, steps: int = 2, **
     """FSDP (each Block a unit) over models.block_stack, fp32, after `steps` Adam steps on this rank's batch,
     zero_grad first: the ledger holds the last step, whose gradients are still there. -> (model, adam, the bytes
     a ring sends on this rank in that step)"""
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1 (the ledger holds the last step), got {steps}")
     model = FullyShardedDataParallel(models.block_stack(width, hidden, depth, torch.float32, launch.device()),
                                      wrap=models.Block, **options)
     adam = torch.optim.Adam(model.parameters(), lr=1e-3)

@@ -52,3 +52,10 @@ def test_fsdp_gathers_twice_and_sends_one_and_a_half_times_ddp(world):
     for rank, answers in enumerate(run(world, questions_worker)):
         for figure, holds in answers:
             assert holds, f"rank {rank}: {figure}"
+
+
+@pytest.mark.single_process
+@pytest.mark.parametrize("steps", [0, -1])
+def test_training_no_step_is_refused_before_any_collective(steps):
+    with pytest.raises(ValueError, match=f"steps must be at least 1 .*got {steps}"):
+        fsdp_ledger.trained(steps=steps)
