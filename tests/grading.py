@@ -29,7 +29,7 @@ NOTES: dict = {}  # property -> the first note it made
 NOTED: set = set()  # properties whose note was printed (once per property, not once per parameter)
 CURRENT = [None]  # the property running now
 MEANINGS: dict = {}  # nodeid -> (the contract it judges, [parameters], the functions it judges)
-WAITED = r"|waited for rank|lost rank|no answer|[Cc]onnection (closed|reset)"  # beside debug.TIMED_OUT's words
+WAITED = r"|waited for rank|lost rank|no answer"  # beside debug.TIMED_OUT's and debug.LEFT's words
 
 
 def optional(ok: bool, claim: str, found: str, why: str) -> None:
@@ -81,8 +81,8 @@ def rank_failure(text: str) -> tuple[str, list[str], int | None]:
     """From a RankFailure's text: the cause (the first rank's own error, not a wait its peers then timed out),
     where each waiting rank waited in the learner's file, and the line of the learner's file the cause raised at
     (when every rank waited, where the first of them waited: the hint is for that function)."""
-    from mini_dist.kit.debug import TIMED_OUT
-    waited = re.compile(TIMED_OUT.pattern + WAITED)
+    from mini_dist.kit.debug import LEFT, TIMED_OUT
+    waited = re.compile(TIMED_OUT.pattern + "|" + LEFT.pattern + WAITED)
     said = re.findall(r"^\s*(rank \d+)(?: failed: |: )(.*)$", text, re.M)
     cause = (next((r for r in said if not waited.search(r[1])), None)
              or next((r for r in said if TIMED_OUT.search(r[1])), said[0] if said else ("", text.split("\n")[0])))
@@ -106,8 +106,9 @@ def rank_failure(text: str) -> tuple[str, list[str], int | None]:
             peer = re.search(r"(?:recv from|send to|waited for) (rank \d+|any rank)", block)
             whom = f" for {peer.group(1)}" if peer else ""
             where.append(f"rank {rank} waited{whom} at {MODULE}.py:{line} in {function}: {code.strip()}")
-            first_wait = int(line) if first_wait is None else first_wait
-    return error, where, at if at is not None else first_wait
+            if first_wait is None:
+                first_wait = int(line)
+    return error, where, (at if at is not None else first_wait)
 
 
 def failure_lines(kind: str, message: str, notes: list[str]) -> tuple[list[str], int | None]:

@@ -114,6 +114,7 @@ def check_collective(tensor: torch.Tensor, op, group, name: str, also: str = "")
 
 
 TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")  # gloo's words for a wait that outlived the group's timeout
+LEFT = re.compile(r"[Cc]onnection (closed|reset)")  # gloo's words for a peer that closed its end while one waited
 
 
 def lost_rank() -> str:

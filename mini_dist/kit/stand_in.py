@@ -8,11 +8,7 @@ changes, so a learner's unfinished exercises/comm.py never stands in for comm wh
 import importlib.abc
 import importlib.util
 import os
-import re
 import sys
-
-# gloo's words when the peer's process closed its end while this rank waited (it failed first, or timed out first)
-LEFT = re.compile(r"[Cc]onnection (closed|reset)")
 
 
 class StandIn(importlib.abc.MetaPathFinder):
@@ -42,7 +38,7 @@ def name_peers() -> None:
             try:
                 return fn(tensor, *args, **kwargs)
             except RuntimeError as e:
-                from mini_dist.kit.debug import TIMED_OUT, PeerLost  # not at install: a rank's fork server runs it
+                from mini_dist.kit.debug import LEFT, TIMED_OUT, PeerLost  # not at install: fork servers run it
                 timed_out = TIMED_OUT.search(str(e))
                 if not timed_out and not LEFT.search(str(e)):
                     raise
