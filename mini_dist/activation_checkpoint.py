@@ -200,6 +200,12 @@ def checkpoint_module(module: nn.Module, context=None) -> nn.Module:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    stack_flags(p, layers=16)
+    p.add_argument("--segments", type=int, default=0, help="k for checkpoint_sequential (0: round(sqrt(L)))")
+    return p
+
 
 def strategies(L: int, k: int, A: int, I: int) -> list[Strategy]:
     """None, every layer, and checkpoint_sequential's k segments of n = L // k layers, each beside torch's and
@@ -225,13 +231,6 @@ def memory_and_compute(rows=None) -> tuple[str, bool]:
     FLOPs, beside the formulas; holds when each equals its formula and every gradient is bit-identical to
     none's and torch's. rows: measure(...); by default 4 layers in 2 segments."""
     return strategy_table(rows or measure(layers=4, segments=2, batch=1, seq=16, hidden=16, heads=2))
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    stack_flags(p, layers=16)
-    p.add_argument("--segments", type=int, default=0, help="k for checkpoint_sequential (0: round(sqrt(L)))")
-    return p
 
 
 def demo(args) -> int:

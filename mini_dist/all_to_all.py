@@ -134,18 +134,18 @@ def rows_round_trip(group=None) -> bool:
 
 # ----------------------------------------------------------------------------- demo
 
-def held(t: torch.Tensor) -> str:
-    """Which tokens and heads a tensor of 1000 * token + head holds, in words."""
-    tokens = (t // 1000).unique().long().tolist()
-    heads = (t % 1000).unique().long().tolist()
-    return f"tokens {tokens[0]}-{tokens[-1]} of heads {heads[0]}-{heads[-1]}"
-
-
 def parser():
     p = launch.demo_parser(__doc__)
     p.add_argument("--seq", type=int, default=2, help="tokens per rank (the sequence is seq x ranks)")
     p.add_argument("--heads", type=int, default=2, help="heads per rank after the all-to-all (H = heads x ranks)")
     return p
+
+
+def held(t: torch.Tensor) -> str:
+    """Which tokens and heads a tensor of 1000 * token + head holds, in words."""
+    tokens = (t // 1000).unique().long().tolist()
+    heads = (t % 1000).unique().long().tolist()
+    return f"tokens {tokens[0]}-{tokens[-1]} of heads {heads[0]}-{heads[-1]}"
 
 
 def demo(args) -> int:

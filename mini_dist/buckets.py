@@ -143,6 +143,13 @@ class Timeline:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--bucket-cap-mb", type=float, nargs="+", default=[0, 0.25, 1], help="bucket caps, MiB")
+    p.add_argument("--widths", type=int, nargs="+", default=[64, 256, 256, 256, 16], help="MLP widths")
+    p.add_argument("--batch", type=int, default=256, help="samples per rank")
+    return p
+
 
 def sync_after_backward(model, buckets: list[Bucket], x: torch.Tensor) -> Timeline:
     """Backward, then bucket after bucket: copy its gradients in, all-reduce it, write the mean back."""
@@ -159,14 +166,6 @@ def sync_after_backward(model, buckets: list[Bucket], x: torch.Tensor) -> Timeli
         for p, view in zip(bucket.params, bucket.views):
             torch.div(view, dist.get_world_size(), out=p.grad)
     return Timeline.of(records)
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--bucket-cap-mb", type=float, nargs="+", default=[0, 0.25, 1], help="bucket caps, MiB")
-    p.add_argument("--widths", type=int, nargs="+", default=[64, 256, 256, 256, 16], help="MLP widths")
-    p.add_argument("--batch", type=int, default=256, help="samples per rank")
-    return p
 
 
 def demo(args) -> int:

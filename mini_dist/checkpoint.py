@@ -36,7 +36,7 @@ import torch.distributed as dist
 if not __package__:  # run as `torchrun mini_dist/checkpoint.py`: Python put mini_dist/ on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mini_dist.checkpoint_plan import Sharded, as_sharded, check_box, check_tiling, dtype_name, plan
+from mini_dist.checkpoint_plan import Sharded, as_sharded, check_box, check_tiling, dtype_name, even_part, plan
 from mini_dist.kit import launch, trace, wire
 from mini_dist.manifest import DTYPES, MANIFEST, VERSION, CheckpointError, literal_text, read_manifest
 
@@ -199,10 +199,16 @@ def check_agreement(records: list) -> None:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--rows", type=int, default=301, help="the saved tensors are [rows, cols], [cols], [3, rows, 5]")
+    p.add_argument("--cols", type=int, default=97, help="see --rows")
+    return p
+
+
 def share(t: torch.Tensor, rank: int, world: int) -> Sharded:
     """Rank r of K holds rows [n*r//K, n*(r+1)//K) of a tensor of n rows (none, when K > n)."""
-    lo = len(t) * rank // world
-    hi = len(t) * (rank + 1) // world
+    lo, hi = even_part(len(t), rank, world)
     return Sharded(tuple(t.shape), t.dtype, (((lo,) + (0,) * (t.dim() - 1), t[lo:hi].clone()),))
 
 
@@ -212,13 +218,6 @@ def corrupt(path: str, fault: str, world: int) -> None:
     raw = bytearray(file.read_bytes())
     raw[len(raw) // 2] ^= 1
     file.write_bytes(raw if fault == "a flipped byte" else raw[:len(raw) // 2])
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--rows", type=int, default=301, help="the saved tensors are [rows, cols], [cols], [3, rows, 5]")
-    p.add_argument("--cols", type=int, default=97, help="see --rows")
-    return p
 
 
 def demo(args) -> int:

@@ -55,6 +55,11 @@ def as_sharded(value: torch.Tensor, holds: bool = True) -> Sharded:
     return Sharded(tuple(value.shape), value.dtype, (((0,) * value.dim(), value),) if holds else ())
 
 
+def even_part(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank r of K's part [n*r//K, n*(r+1)//K) of n rows: parts differ by one row at most (empty when K > n)."""
+    return n * rank // world, n * (rank + 1) // world
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """A dtype as a checkpoint names it: float32 for torch.float32."""
     return str(dtype).removeprefix("torch.")
@@ -126,27 +131,25 @@ def check_tiling(tensors: dict, pieces: list) -> None:
 
 # ----------------------------------------------------------------------------- demo
 
-def row_box(whole: torch.Tensor, rank: int, world: int) -> dict:
-    """Rank r of K's rows [n*r//K, n*(r+1)//K) of `whole`, as a saved piece (its data kept beside it)."""
-    lo = len(whole) * rank // world
-    hi = len(whole) * (rank + 1) // world
-    return {"name": "w", "offsets": [lo, 0], "lengths": [hi - lo, whole.shape[1]], "data": whole[lo:hi]}
-
-
-def wanted(whole: torch.Tensor, rank: int, world: int, dim: int) -> Sharded:
-    """Rank r of K' wants its share of `whole` along dim (0: rows, 1: columns), zeros until loaded."""
-    lo = whole.shape[dim] * rank // world
-    hi = whole.shape[dim] * (rank + 1) // world
-    offsets = (lo, 0) if dim == 0 else (0, lo)
-    return Sharded(tuple(whole.shape), whole.dtype, ((offsets, torch.zeros_like(whole.narrow(dim, lo, hi - lo))),))
-
-
 def parser():
     p = launch.demo_parser(__doc__)
     p.add_argument("--rows", type=int, default=10, help="the saved tensor is [rows, cols], cut by rows")
     p.add_argument("--cols", type=int, default=4, help="see --rows")
     p.add_argument("--saved", type=int, default=4, help="K, the ranks that saved it (the demo's ranks are K')")
     return p
+
+
+def row_box(whole: torch.Tensor, rank: int, world: int) -> dict:
+    """Rank r of K's rows [n*r//K, n*(r+1)//K) of `whole`, as a saved piece (its data kept beside it)."""
+    lo, hi = even_part(len(whole), rank, world)
+    return {"name": "w", "offsets": [lo, 0], "lengths": [hi - lo, whole.shape[1]], "data": whole[lo:hi]}
+
+
+def wanted(whole: torch.Tensor, rank: int, world: int, dim: int) -> Sharded:
+    """Rank r of K' wants its share of `whole` along dim (0: rows, 1: columns), zeros until loaded."""
+    lo, hi = even_part(whole.shape[dim], rank, world)
+    offsets = (lo, 0) if dim == 0 else (0, lo)
+    return Sharded(tuple(whole.shape), whole.dtype, ((offsets, torch.zeros_like(whole.narrow(dim, lo, hi - lo))),))
 
 
 def demo(args) -> int:

@@ -158,6 +158,15 @@ def input_shape(name: str, b: int, s: int, h: int, T: int) -> tuple:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=2, help="tokens per rank (the full sequence is seq x ranks)")
+    p.add_argument("--hidden", type=int, default=3, help="hidden size per rank (the full one is hidden x ranks)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
 def drawn(seed: int, size) -> torch.Tensor:
     """Small integers in fp64, drawn on the CPU (the same numbers on any device): every sum exact."""
     g = torch.Generator().manual_seed(seed)
@@ -186,15 +195,6 @@ def check_operator(name: str, shape, seed: int = 0, group=None) -> tuple[float, 
     loss = (Y[0] * ws[0]).sum() if made == "replicated" else sum((Yi * Wi).sum() for Yi, Wi in zip(Y, ws))
     loss.backward()
     return max((y - Y[r]).abs().max().item(), (x.grad - X[r].grad).abs().max().item()), nbytes
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=2, help="tokens per rank (the full sequence is seq x ranks)")
-    p.add_argument("--hidden", type=int, default=3, help="hidden size per rank (the full one is hidden x ranks)")
-    p.add_argument("--seed", type=int, default=0)
-    return p
 
 
 def demo(args) -> int:

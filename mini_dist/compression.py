@@ -195,6 +195,15 @@ def _powersgd(state: PowerSGDState, bucket) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--steps", type=int, default=60, help="SGD steps (momentum 0.9) per run")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="PowerSGD ranks r to compare")
+    p.add_argument("--widths", type=int, nargs="+", default=[32, 32, 32], help="layer widths of the linear model")
+    p.add_argument("--start-iter", type=int, default=2, help="plain all-reduce steps before PowerSGD (>= 2)")
+    return p
+
 
 def train(widths, hook, state_args, steps: int, lr: float, native: bool = False) -> tuple:
     """Mini DDP over models.linears(widths) with our hook (torch's with native=True; None: DDP's all-reduce),
@@ -211,16 +220,6 @@ def train(widths, hook, state_args, steps: int, lr: float, native: bool = False)
     losses = models.teacher_steps(model, ddp, steps, lr)
     sent = sum(LEDGER.bytes.values()) if hook else ddp.timeline.bytes  # a hook's all-reduces, or DDP's
     return losses, [p.detach().clone() for p in model.parameters()], sent
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--steps", type=int, default=60, help="SGD steps (momentum 0.9) per run")
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="PowerSGD ranks r to compare")
-    p.add_argument("--widths", type=int, nargs="+", default=[32, 32, 32], help="layer widths of the linear model")
-    p.add_argument("--start-iter", type=int, default=2, help="plain all-reduce steps before PowerSGD (>= 2)")
-    return p
 
 
 def demo(args) -> int:

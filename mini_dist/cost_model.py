@@ -200,6 +200,15 @@ def pp_traffic(model: Model, plan: Plan, stage: int | None = None) -> int:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--numel", type=int, default=1_000_003, help="parameters of the model")
+    p.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
+    p.add_argument("--ranks", type=int, default=8, help="K, data-parallel ranks of the ZeRO table")
+    return p
+
+
 def measured_model_state_bytes(numel: int, precision: str, optimizer: str) -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) bytes torch holds after one step of a model of numel parameters.
     Mixed precision: the model's weights and gradients in 16 bits, the optimizer stepping an fp32 master copy
@@ -223,15 +232,6 @@ def measured_model_state_bytes(numel: int, precision: str, optimizer: str) -> tu
 def size(t: torch.Tensor) -> int:
     """Bytes of a tensor's elements."""
     return t.numel() * t.element_size()
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--numel", type=int, default=1_000_003, help="parameters of the model")
-    p.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
-    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
-    p.add_argument("--ranks", type=int, default=8, help="K, data-parallel ranks of the ZeRO table")
-    return p
 
 
 def demo(args) -> int:

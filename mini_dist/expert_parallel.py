@@ -200,6 +200,19 @@ def against_one_process(dense, transport, xs, dys, group=None):
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--experts", type=int, default=8, help="E, spread E/W per rank")
+    p.add_argument("--k", type=int, default=2, help="experts per token")
+    p.add_argument("--hidden", type=int, default=16, help="h (each expert is h -> 2h -> h)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens on rank 0; rank r has tokens + 3r")
+    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--steps", type=int, default=30, help="Adam steps on skewed tokens, without and with aux")
+    p.add_argument("--aux", type=float, default=0.1, help="weight of the auxiliary loss in the second run")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
 def train(dense, alpha, args):
     """Adam steps on skewed tokens, task loss + alpha * aux. Then, on fresh tokens, summed over ranks:
     choices per expert, and [aux, choices dropped at capacity factors 1.0 and 1.25, expert rows] per rank."""
@@ -223,19 +236,6 @@ def train(dense, alpha, args):
     mine = torch.tensor([[r.aux.item(), *drops, sum(moe.received)]], dtype=torch.float64, device=launch.device())
     choices = comm.all_reduce(torch.bincount(r.expert.flatten(), minlength=dense.num_experts)).cpu()
     return choices, comm.all_gather(mine, 0).cpu()
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--experts", type=int, default=8, help="E, spread E/W per rank")
-    p.add_argument("--k", type=int, default=2, help="experts per token")
-    p.add_argument("--hidden", type=int, default=16, help="h (each expert is h -> 2h -> h)")
-    p.add_argument("--tokens", type=int, default=64, help="tokens on rank 0; rank r has tokens + 3r")
-    p.add_argument("--capacity-factor", type=float, default=1.25)
-    p.add_argument("--steps", type=int, default=30, help="Adam steps on skewed tokens, without and with aux")
-    p.add_argument("--aux", type=float, default=0.1, help="weight of the auxiliary loss in the second run")
-    p.add_argument("--seed", type=int, default=0)
-    return p
 
 
 def demo(args) -> int:

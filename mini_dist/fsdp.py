@@ -199,6 +199,15 @@ class FullyShardedDataParallel(fsdp_state.StateDicts, nn.Module):
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--depth", type=int, default=6, help="Blocks, one unit each (the root keeps 2 Linears)")
+    p.add_argument("--width", type=int, default=256, help="width of the timed model (Block hidden: 4x)")
+    p.add_argument("--steps", type=int, default=3, help="fp64 Adam steps compared with fully_shard")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per schedule (medians, in turns)")
+    return p
+
+
 def timeline(ledger, names: list[str]) -> str:
     """A row per unit, a column per event; '=' while the unit is gathered, '.' while only its shard is."""
     symbol = {"all-gather": "G", "compute": "C", "reduce-scatter": "R", "free": "F"}
@@ -211,15 +220,6 @@ def timeline(ledger, names: list[str]) -> str:
         for n in names:
             rows[n] += symbol[what] if n == unit else "=" if alive[n] else "."
     return "\n".join(rows.values())
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--depth", type=int, default=6, help="Blocks, one unit each (the root keeps 2 Linears)")
-    p.add_argument("--width", type=int, default=256, help="width of the timed model (Block hidden: 4x)")
-    p.add_argument("--steps", type=int, default=3, help="fp64 Adam steps compared with fully_shard")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per schedule (medians, in turns)")
-    return p
 
 
 def demo(args) -> int:

@@ -156,6 +156,16 @@ def attention_keeps_scores(model: Model, plan: Plan, device) -> bool:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    for axis in ("cp", "tp", "ep"):
+        p.add_argument(f"--{axis}", type=int, default=2 if axis == "tp" else 1, help=f"{axis} degree")
+    p.add_argument("--moe", type=int, default=0, help="E experts per block, top-2 (0: an MLP)")
+    p.add_argument("--batch", type=int, default=2, help="b, sequences per microbatch")
+    p.add_argument("--checkpoint", action="store_true", help="recompute each block in backward")
+    return p
+
+
 def dense_numel(model: Model, kind: str) -> int:
     """The parameters of one layer of the dense tiny GPT, counted by PyTorch on the meta device (no memory)."""
     h = model.hidden
@@ -168,16 +178,6 @@ def dense_numel(model: Model, kind: str) -> int:
         if model.experts:
             layer.mlp = MoE(h, 4 * h, model.experts, model.top_k, device="meta", dtype=torch.float64)
     return sum(p.numel() for p in layer.parameters())
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    for axis in ("cp", "tp", "ep"):
-        p.add_argument(f"--{axis}", type=int, default=2 if axis == "tp" else 1, help=f"{axis} degree")
-    p.add_argument("--moe", type=int, default=0, help="E experts per block, top-2 (0: an MLP)")
-    p.add_argument("--batch", type=int, default=2, help="b, sequences per microbatch")
-    p.add_argument("--checkpoint", action="store_true", help="recompute each block in backward")
-    return p
 
 
 def demo(args) -> int:

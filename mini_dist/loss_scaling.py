@@ -189,6 +189,13 @@ def to_float32(x: float) -> float:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--steps", type=int, default=48, help="training steps")
+    p.add_argument("--growth-interval", type=int, default=4, help="clean steps before the scale grows (I)")
+    p.add_argument("--init-exponent", type=int, default=10, help="initial scale S0 = 2^this")
+    return p
+
 
 LOUD = 3.0  # |output gradient| / S: it overflows fp16 once S * LOUD > 65504
 
@@ -221,14 +228,6 @@ def plot(trace) -> str:
     rows = [f"  2^{y:<3}|{''.join(m if level == y else ' ' for level, m in zip(levels, marks))}".rstrip()
             for y in range(max(levels), min(levels) - 1, -1)]
     return "\n".join(rows)
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--steps", type=int, default=48, help="training steps")
-    p.add_argument("--growth-interval", type=int, default=4, help="clean steps before the scale grows (I)")
-    p.add_argument("--init-exponent", type=int, default=10, help="initial scale S0 = 2^this")
-    return p
 
 
 def demo(args) -> int:

@@ -200,6 +200,13 @@ def read_manifest(path: str) -> dict:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--nbytes", type=int, default=10 ** 13, help="the bytes an edited piece asks for")
+    p.add_argument("--nested", type=int, default=100_000, help="how deep an edited literal nests")
+    return p
+
+
 def write_example(path: str) -> None:
     """A checkpoint by hand, as checkpoint.save writes one at K = 1: a 2x3 fp32 tensor and a literal."""
     raw = torch.arange(6, dtype=torch.float32).numpy().tobytes()  # cpu: bytes for a file
@@ -237,13 +244,6 @@ def edit(path: str, where, key, value) -> None:
         manifest["files"] = {value: 24}
     target[key] = value
     Path(path, MANIFEST).write_text(json.dumps(manifest))
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--nbytes", type=int, default=10 ** 13, help="the bytes an edited piece asks for")
-    p.add_argument("--nested", type=int, default=100_000, help="how deep an edited literal nests")
-    return p
 
 
 def demo(args) -> int:

@@ -196,6 +196,14 @@ def grid_for(world: int, dp: int | None = None, pp: int | None = None, cp: int |
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    for axis in AXES:
+        p.add_argument(f"--{axis}", type=int, default=None, help=f"{axis} degree (default: filled in)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree, a divisor of dp x cp")
+    return p
+
+
 def device_mesh_groups(grid: RankGrid, device_type: str) -> dict[str, list[int]]:
     """The same groups from torch's DeviceMesh (the reference): the 4-D mesh, dp x cp flattened, and that
     flattened dim unflattened into (edp, ep), as torchtitan derives its expert mesh."""
@@ -205,14 +213,6 @@ def device_mesh_groups(grid: RankGrid, device_type: str) -> dict[str, list[int]]
     expert = dp_cp._unflatten(0, (grid.dp * grid.cp // grid.ep, grid.ep), ("edp", "ep"))
     meshes = {**{a: mesh for a in AXES}, "dp_cp": dp_cp, "ep": expert, "edp": expert}
     return {name: dist.get_process_group_ranks(m.get_group(name)) for name, m in meshes.items()}
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    for axis in AXES:
-        p.add_argument(f"--{axis}", type=int, default=None, help=f"{axis} degree (default: filled in)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree, a divisor of dp x cp")
-    return p
 
 
 def demo(args) -> int:

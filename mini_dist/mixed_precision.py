@@ -159,6 +159,12 @@ def master_weights_vs_half(steps: int = 200, lr: float = 2e-3) -> tuple[str, boo
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--lr", type=float, default=2e-3, help="SGD step of the fp32 / fp16 / bf16 regression")
+    p.add_argument("--steps", type=int, default=400, help="SGD steps of the regression")
+    return p
+
 
 FORMATS = [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]
 FAILURES = [("overflow  300*300 - 300*300", overflow, "lower S, or bf16"),
@@ -173,13 +179,6 @@ def bits(x: float, dtype: torch.dtype) -> str:
     word = torch.tensor([x], dtype=dtype).view({16: torch.int16, 32: torch.int32}[info.bits]).item()  # cpu: read back
     s = format(word & ((1 << info.bits) - 1), f"0{info.bits}b")  # two's complement -> raw bits
     return f"{s[0]}|{s[1:1 + expo]}|{s[1 + expo:]}"
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--lr", type=float, default=2e-3, help="SGD step of the fp32 / fp16 / bf16 regression")
-    p.add_argument("--steps", type=int, default=400, help="SGD steps of the regression")
-    return p
 
 
 def demo(args) -> int:

@@ -128,6 +128,10 @@ def check(fn, *args, group=None, **kwargs) -> list[str]:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    return launch.demo_parser(__doc__)
+
+
 def receive_first(device, batched: bool) -> None:
     """Two ranks swap a tensor, each posting its receive before its send: fine on gloo, a cycle on NCCL
     unless the pair is one batch."""
@@ -153,10 +157,6 @@ def send_first_ring(device) -> None:
     send = dist.isend(outgoing, (me - 1) % n)
     dist.irecv(incoming, (me + 1) % n).wait()
     send.wait()
-
-
-def parser():
-    return launch.demo_parser(__doc__)
 
 
 def demo(args) -> int:

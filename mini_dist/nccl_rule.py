@@ -144,6 +144,12 @@ def describe(stuck: dict, head, partner, done) -> list[str]:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--ranks", type=int, default=4, help="ranks in the ring written down (the swap is of two)")
+    return p
+
+
 def written(kind: str, peer: int, n: int, where: str) -> Unit:
     """One unbatched isend (kind "send") or irecv on a world of n ranks, written by hand (where: its place)."""
     world = tuple(range(n))
@@ -169,12 +175,6 @@ def traces(n: int) -> dict[str, list[list[Unit]]]:
         f"ring of {n}, one batch a step": [[batched([("send", (r - 1) % n), ("recv", (r + 1) % n)], n, "1st")]
                                            for r in range(n)],
     }
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--ranks", type=int, default=4, help="ranks in the ring written down (the swap is of two)")
-    return p
 
 
 def demo(args) -> int:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch
+from mini_dist.kit import flags, launch
 from mini_dist.comm import COUNTER, SEQ, check_divisible
 from mini_dist.kit.measure import SavedTensors
 from mini_dist.tensor_parallel import (ParallelMLP, RowParallelLinear, SequenceParallelColumnLinear, check_input,
@@ -191,6 +191,11 @@ def expected(block: Block) -> tuple[Layer, Layer]:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = flags.tokens(launch.demo_parser(__doc__), hidden=96)
+    p.add_argument("--heads", type=int, default=12, help="H, attention heads (TP cuts them T ways)")
+    return p
+
 
 def _row(name, layer, one) -> str:
     """One line of the demo's table: collectives each way (calls, payload B), activation bytes per rank."""
@@ -200,23 +205,11 @@ def _row(name, layer, one) -> str:
     return f"{name:9} {talk[0]:>24} {talk[1]:>24} {layer.acts:>14,} {f'1/{one.acts / layer.acts:.2f}':>9}"
 
 
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--batch", type=int, default=2, help="b, sequences per batch")
-    p.add_argument("--seq", type=int, default=24, help="s, tokens per sequence (SP cuts it T ways)")
-    p.add_argument("--hidden", type=int, default=96, help="h")
-    p.add_argument("--heads", type=int, default=12, help="H, attention heads (TP cuts them T ways)")
-    return p
-
-
 def demo(args) -> int:
     T = launch.env_world_size()
-    b = args.batch
-    s = args.seq
-    h = args.hidden
+    b, s, h = flags.token_sizes(args)
     heads = args.heads
-    launch.require(min(b, s, h, heads) >= 1, "--batch, --seq, --hidden and --heads must be at least 1")
-    launch.require(h % heads == 0, f"--hidden {h} must be a multiple of --heads {heads}")
+    launch.require(heads >= 1 and h % heads == 0, f"--heads {heads} must be at least 1 and divide --hidden {h}")
     launch.require(heads % T == 0 and s % T == 0, f"{T} ranks cannot split {heads} heads and {s} tokens "
                    f"evenly: pick --heads and --seq multiples of {T}")
     dev = launch.setup().device

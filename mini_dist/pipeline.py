@@ -198,6 +198,10 @@ STEPS = {"GPipe": (gpipe_step, "ScheduleGPipe"), "1F1B": (one_f_one_b_step, "Sch
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    return flags.pipeline(launch.demo_parser(__doc__))
+
+
 def what_flows_between_stages(n_microbatches: int = 8, width: int = 8, group=None) -> tuple[str, bool]:
     """One textbook 1F1B step on every rank of `group`, a microbatch 2 rows of `width` fp64 numbers: the bytes
     each stage sent beside the formula, the messages from stage to stage. (figure, holds), alike on every rank."""
@@ -244,10 +248,6 @@ def against_references(step, schedule: str, P: int, M: int, width: int) -> tuple
         return references.torch_step(chunks, schedule, M, loss_fn)(x, x)
     mine, torchs, _ = references.against_one_process(model, chunks, x, x, ours, theirs)
     return mine, torchs
-
-
-def parser():
-    return flags.pipeline(launch.demo_parser(__doc__))
 
 
 def demo(args) -> int:

@@ -136,6 +136,12 @@ def with_communication(name: str, order: list[list[tuple]], n_microbatches: int,
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--microbatches", type=int, default=4, help="M, microbatches per step")
+    return p
+
+
 SHORT = {"recv_act": "<a{}", "send_act": "a{}>", "recv_grad": "<g{}", "send_grad": "g{}>"}  # {}: the microbatch
 
 
@@ -156,12 +162,6 @@ def messages_by_wire(schedule: Schedule) -> dict:
                 sending = a.op.startswith("send")
                 wires[(r, peer) if sending else (peer, r)][0 if sending else 1].append(message)
     return dict(wires)
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--microbatches", type=int, default=4, help="M, microbatches per step")
-    return p
 
 
 def demo(args) -> int:

@@ -173,6 +173,12 @@ class Executor:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = flags.pipeline(launch.demo_parser(__doc__))
+    p.add_argument("--chunks", type=int, default=2, help="v, model chunks per rank of the interleaved schedule")
+    return p
+
+
 def against_references(name: str, plan: Schedule, width: int) -> tuple:
     """One step of `plan` on P*v chunks of fp64 Linear layers: the largest |difference| of loss and gradients
     from one process on the whole batch, ours and torch's, and the activations each rank kept at the peak."""
@@ -192,12 +198,6 @@ def against_references(name: str, plan: Schedule, width: int) -> tuple:
     kept = [None] * P
     dist.all_gather_object(kept, stats[0].peak_live)
     return mine, torchs, kept
-
-
-def parser():
-    p = flags.pipeline(launch.demo_parser(__doc__))
-    p.add_argument("--chunks", type=int, default=2, help="v, model chunks per rank of the interleaved schedule")
-    return p
 
 
 def demo(args) -> int:

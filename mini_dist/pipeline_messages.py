@@ -144,6 +144,14 @@ def header(message: tuple, tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
+    p.add_argument("--chunks", type=int, default=2, help="v, model chunks per rank of the interleaved schedule")
+    p.add_argument("--width", type=int, default=24, help="features of every activation (2 rows a microbatch)")
+    return p
+
+
 def relay(schedule: Schedule, shape: tuple, group=None) -> tuple[int, bool]:
     """The messages of one step of `schedule` without a model: every send carries a tensor that names its
     microbatch m and the virtual stage j that sends it (1000 m + j), every receive checks it. Returns the
@@ -176,14 +184,6 @@ def bytes_formula(P: int, M: int, v: int, nbytes: int) -> list[int]:
         if j > 0:
             sent[j % P] += M * nbytes
     return sent
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
-    p.add_argument("--chunks", type=int, default=2, help="v, model chunks per rank of the interleaved schedule")
-    p.add_argument("--width", type=int, default=24, help="features of every activation (2 rows a microbatch)")
-    return p
 
 
 def demo(args) -> int:

@@ -158,6 +158,13 @@ def schedules_for(names, P: int, M: int, v: int) -> dict:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
+    p.add_argument("--chunks", type=int, default=2, help="v, model chunks per rank of the interleaved schedule")
+    return p
+
+
 def torch_ran(name: str, n_microbatches: int, n_chunks: int = 1, group=None) -> list[tuple]:
     """What one step of torch's schedule `name` computes on this rank, in order. (Not its pipeline_order, a
     plan for printing, whose Schedule1F1B starts the last stage at F1.)"""
@@ -172,13 +179,6 @@ def computations(actions, width: int = 92) -> str:
     """A rank's computations in order, F0 F1 B0 ..., in lines of at most `width` characters."""
     labels = [label(a, any(b.chunk for b in actions)) for a in actions if a.op in COMPUTE]
     return "\n       | ".join(textwrap.wrap(" ".join(labels), width))
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
-    p.add_argument("--chunks", type=int, default=2, help="v, model chunks per rank of the interleaved schedule")
-    return p
 
 
 def demo(args) -> int:

@@ -84,17 +84,17 @@ def pipeline_chunks(model: nn.Sequential, group=None, n_chunks: int = 1, sizes=N
 
 # ----------------------------------------------------------------------------- demo
 
-def stage_costs(costs: list[int], sizes: list[int]) -> list[int]:
-    """What each stage of a cut costs: the sum of its layers' costs."""
-    bounds = [0, *itertools.accumulate(sizes)]
-    return [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
-
-
 def parser():
     p = launch.demo_parser(__doc__)
     p.add_argument("--layers", type=int, default=12, help="L, Linear layers, each wider than the one before")
     p.add_argument("--chunks", type=int, default=2, help="v, model chunks per rank for the virtual stages")
     return p
+
+
+def stage_costs(costs: list[int], sizes: list[int]) -> list[int]:
+    """What each stage of a cut costs: the sum of its layers' costs."""
+    bounds = [0, *itertools.accumulate(sizes)]
+    return [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 def demo(args) -> int:

@@ -169,18 +169,6 @@ def forward_transient(model: Model, plan: Plan, layers: list[str]) -> int:
 
 # ----------------------------------------------------------------------------- demo
 
-def stage_layers(model: Model, virtual_stages: int) -> list[list[str]]:
-    """The layers of each virtual stage, cut as train_5d cuts the model: balanced by 1 + parameters."""
-    kinds = ["embedding"] + ["block"] * model.layers + ["head"]
-    sizes = balanced_split([1 + sum(layer_numel(model, Plan(dp=1), k)) for k in kinds], virtual_stages)
-    return [kinds[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))]
-
-
-def one(chunk: int, microbatch: int) -> int:
-    """A cost of 1 for every forward: peak_activations then counts the microbatches alive."""
-    return 1
-
-
 def parser():
     p = launch.demo_parser(__doc__)
     for axis in ("dp", "pp", "cp", "tp", "ep"):
@@ -192,6 +180,18 @@ def parser():
     p.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--checkpoint", action="store_true", help="recompute each block in backward")
     return p
+
+
+def stage_layers(model: Model, virtual_stages: int) -> list[list[str]]:
+    """The layers of each virtual stage, cut as train_5d cuts the model: balanced by 1 + parameters."""
+    kinds = ["embedding"] + ["block"] * model.layers + ["head"]
+    sizes = balanced_split([1 + sum(layer_numel(model, Plan(dp=1), k)) for k in kinds], virtual_stages)
+    return [kinds[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))]
+
+
+def one(chunk: int, microbatch: int) -> int:
+    """A cost of 1 for every forward: peak_activations then counts the microbatches alive."""
+    return 1
 
 
 def demo(args) -> int:

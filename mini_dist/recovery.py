@@ -190,20 +190,6 @@ def train(args, save_to: str | None = None, resume_from: str | None = None, cras
 
 # ----------------------------------------------------------------------------- demo
 
-def join_attempt() -> None:
-    """Join the group of this torchrun attempt. Every attempt gets the agent's TCPStore, where the dead
-    attempt's ranks left their addresses; a new rank may read one and connect to a dead process
-    (pytorch/pytorch#135712). So a restarted attempt keys its own under a prefix; launch.setup() then finds
-    the group made. (The first attempt's store is fresh: it goes through launch.setup() alone.)"""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if attempt != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not dist.is_initialized():
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=launch.timeout())
-        dist.init_process_group(launch.choose_backend(int(os.environ["LOCAL_WORLD_SIZE"])), timeout=launch.timeout(),
-                                store=dist.PrefixStore(f"attempt_{attempt}", store), rank=launch.env_rank(),
-                                world_size=launch.env_world_size())
-
-
 def parser():
     p = launch.demo_parser(__doc__)
     p.add_argument("--steps", type=int, default=12, help="training steps")
@@ -217,6 +203,20 @@ def parser():
     p.add_argument("--width", type=int, default=8, help="MLP width")
     p.add_argument("--dir", help="checkpoint directory (default: one per torchrun run, removed at the end)")
     return p
+
+
+def join_attempt() -> None:
+    """Join the group of this torchrun attempt. Every attempt gets the agent's TCPStore, where the dead
+    attempt's ranks left their addresses; a new rank may read one and connect to a dead process
+    (pytorch/pytorch#135712). So a restarted attempt keys its own under a prefix; launch.setup() then finds
+    the group made. (The first attempt's store is fresh: it goes through launch.setup() alone.)"""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not dist.is_initialized():
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=launch.timeout())
+        dist.init_process_group(launch.choose_backend(int(os.environ["LOCAL_WORLD_SIZE"])), timeout=launch.timeout(),
+                                store=dist.PrefixStore(f"attempt_{attempt}", store), rank=launch.env_rank(),
+                                world_size=launch.env_world_size())
 
 
 def demo(args) -> int:

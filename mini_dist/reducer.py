@@ -200,6 +200,14 @@ def launch_on_comm_thread(work) -> torch.futures.Future:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--bucket-cap-mb", type=float, nargs="+", default=[0, 0.25, 1], help="bucket caps, MiB")
+    p.add_argument("--widths", type=int, nargs="+", default=[64, 256, 256, 256, 16], help="MLP widths")
+    p.add_argument("--batch", type=int, default=256, help="samples per rank: more makes backward longer")
+    p.add_argument("--ring", action="store_true", help="all-reduce with ring_all_reduce, not gloo/NCCL's")
+    return p
+
 
 def buckets_hide_communication(cap_mb: float = 0.25, widths=(64, 256, 256, 256, 16), batch: int = 256,
                                ring: bool = False, picture: bool = False) -> tuple[str, bool]:
@@ -232,15 +240,6 @@ def buckets_hide_communication(cap_mb: float = 0.25, widths=(64, 256, 256, 256, 
             f"of the all-reduce time hidden (rank 0); the naive sync, {len(names)} all-reduces after backward, "
             f"hides 0%; buckets = torch's, gradients = the naive sync's: {same}"
             + (f"\n{tl.picture()}" if picture else "")), same and (len(buckets) == 1 or early.item() < 0)
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--bucket-cap-mb", type=float, nargs="+", default=[0, 0.25, 1], help="bucket caps, MiB")
-    p.add_argument("--widths", type=int, nargs="+", default=[64, 256, 256, 256, 16], help="MLP widths")
-    p.add_argument("--batch", type=int, default=256, help="samples per rank: more makes backward longer")
-    p.add_argument("--ring", action="store_true", help="all-reduce with ring_all_reduce, not gloo/NCCL's")
-    return p
 
 
 def demo(args) -> int:

@@ -200,6 +200,13 @@ def load_module_state(path: str, layout: dict, optimizer=None, group=None) -> di
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--steps", type=int, default=2, help="Adam steps before the first save")
+    p.add_argument("--width", type=int, default=24, help="MLP width (tensor parallelism cuts it: a multiple of K)")
+    return p
+
+
 @dataclass
 class Trained:
     """A model, its layout (fsdp_layout or module_layout, bound to it) and its Adam."""
@@ -210,13 +217,6 @@ class Trained:
     def tensors(self) -> list:
         """What must come back bit for bit: the parameters, and Adam's state (its step on the host)."""
         return [*self.model.parameters(), *(t for s in self.adam.state.values() for t in s.values())]
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--steps", type=int, default=2, help="Adam steps before the first save")
-    p.add_argument("--width", type=int, default=24, help="MLP width (tensor parallelism cuts it: a multiple of K)")
-    return p
 
 
 def demo(args) -> int:

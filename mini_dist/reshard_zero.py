@@ -121,6 +121,13 @@ def load_zero_state(path: str, zero, group=None) -> dict:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--steps", type=int, default=2, help="Adam steps before the save")
+    p.add_argument("--width", type=int, default=24, help="MLP width")
+    return p
+
+
 def zero_adam(width: int, stage: int, group=None, seed: int = 0) -> tuple:
     """An MLP (fp64, from `seed`) and a ZeroOptimizer of `stage` with Adam over it, on `group`."""
     model = mlp([width, 3 * width, width], seed=seed).to(launch.device())
@@ -133,13 +140,6 @@ def same_state(model, state: dict, other_model, other: dict) -> bool:
         return False
     params = all(torch.equal(a, b) for a, b in zip(model.parameters(), other_model.parameters()))
     return params and all(torch.equal(v, other[i][k]) for i, s in state.items() for k, v in s.items())
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--steps", type=int, default=2, help="Adam steps before the save")
-    p.add_argument("--width", type=int, default=24, help="MLP width")
-    return p
 
 
 def demo(args) -> int:

@@ -180,6 +180,12 @@ def bytes_sent(all_reduce, x: torch.Tensor, group=None) -> list[int]:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--numel", type=int, default=1_048_579, help="fp32 elements per rank, any count (chunks may differ)")
+    return p
+
+
 def ring_step_picture(group=None) -> tuple[str, bool]:
     """Who holds what after each step of one textbook ring all-reduce, read from its trace (kit/trace.py): each
     message says which chunk it carried and meets its receive; rank r starts with 2^r. -> (the table, its check)"""
@@ -216,12 +222,6 @@ def table(rows: list, n: int) -> list[str]:
         cells = ["".join(f"{c:>2}{'<' if j == row[q][n] else ' '}" for j, c in enumerate(row[q][:n])) for q in range(n)]
         lines.append(f"{step:<18}" + "".join(c + "  " for c in cells))
     return lines
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--numel", type=int, default=1_048_579, help="fp32 elements per rank, any count (chunks may differ)")
-    return p
 
 
 def demo(args) -> int:

@@ -68,6 +68,11 @@ def selective_checkpoint(fn, *args, policy=keep_matmuls, **kwargs):
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    stack_flags(p, layers=8)
+    return p
+
 
 def strategies(L: int, s: int, h: int, A: int, I: int) -> list[Strategy]:
     """None, every layer, and selective, each beside torch's and its formulas (see the docstring)."""
@@ -78,12 +83,6 @@ def strategies(L: int, s: int, h: int, A: int, I: int) -> list[Strategy]:
             Strategy("every layer", each_layer(checkpoint), each_layer(torchs), L * I, 4 / 3),
             Strategy("selective", each_layer(selective_checkpoint), each_layer(torchs_selective), 10 * L * I,
                      1 + s / (3 * (6 * h + s)))]
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    stack_flags(p, layers=8)
-    return p
 
 
 def demo(args) -> int:

@@ -68,6 +68,12 @@ def ranks_where(mine: bool, device, group=None) -> str:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--steps", type=int, default=48, help="training steps")
+    p.add_argument("--growth-interval", type=int, default=4, help="clean steps before the scale grows (I)")
+    return p
+
 
 LOUD = 3.0  # |output gradient| / S on the last rank: it overflows fp16 first, once S * LOUD > 65504
 
@@ -103,13 +109,6 @@ def run_shards(scaler, data, steps):
 def skipped(trace) -> list[int]:
     """The steps a trace skipped."""
     return [t for t, (_, skip) in enumerate(trace) if skip]
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--steps", type=int, default=48, help="training steps")
-    p.add_argument("--growth-interval", type=int, default=4, help="clean steps before the scale grows (I)")
-    return p
 
 
 def demo(args) -> int:

@@ -159,20 +159,19 @@ def load_shard_state_dict(zero, shard: dict) -> None:
 
 # ----------------------------------------------------------------------------- demo
 
-
-def saved_bytes(obj) -> int:
-    """The bytes torch.save writes for obj."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.tell()
-
-
 def parser():
     p = launch.demo_parser(__doc__)
     p.add_argument("--stage", type=int, choices=(0, 1, 2), default=2, help="ZeRO stage that saves")
     p.add_argument("--steps", type=int, default=2, help="Adam steps before saving, and again after")
     p.add_argument("--widths", type=int, nargs="+", default=[19, 60, 60], help="MLP widths")
     return p
+
+
+def saved_bytes(obj) -> int:
+    """The bytes torch.save writes for obj."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.tell()
 
 
 def demo(args) -> int:

@@ -125,6 +125,14 @@ def validate(model: Model, plan: Plan, cluster: Cluster) -> None:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--serial", type=float, default=0.05, help="serial fraction of the work, for Amdahl's law")
+    p.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 256],
+                   help="GPU counts, ascending: each 8 or fewer, or whole nodes of 8, and a divisor of 256")
+    return p
+
+
 def quoted_figures() -> list[tuple[str, bool]]:
     """Figures often quoted, recomputed with the cost model: (the figure as computed, whether it holds)."""
     b = 10 ** 9
@@ -159,14 +167,6 @@ def scaling_stops(serial: float = 0.05, gpus: tuple = (8, 64, 256)) -> tuple[str
     figure = (f"7B, FSDP, a global batch of 256 x 4096 tokens, seconds per step, compute + communication (not "
               f"overlapped): {', '.join(rows)}; Amdahl with {serial:.0%} serial: {speedups}, never {1 / serial:.0f}x")
     return figure, shares == sorted(shares) and shares[0] < shares[-1] and amdahl(serial, gpus[-1]) < 1 / serial
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--serial", type=float, default=0.05, help="serial fraction of the work, for Amdahl's law")
-    p.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 256],
-                   help="GPU counts, ascending: each 8 or fewer, or whole nodes of 8, and a divisor of 256")
-    return p
 
 
 def demo(args) -> int:

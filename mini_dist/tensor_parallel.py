@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch
+from mini_dist.kit import flags, launch
 from mini_dist.comm import (COUNTER, SEQ, agree, all_gather, check_divisible, f, g, gather_from_tp, reduce_scatter,
                             reduce_scatter_to_sp, split_to_tp)
 from mini_dist.tp_layout import Layout, gather_to_dense, shard_from_dense
@@ -200,6 +200,9 @@ def check_input(layer: nn.Module, x, features: int, sequence_parallel: bool = Fa
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    return flags.tokens(launch.demo_parser(__doc__), hidden=96, hidden_help="h; the MLP is h -> 4h -> h")
+
 
 RING_SENDS = {"all_gather": 1, "all_reduce": 2}  # payloads of (T-1)/T that a ring sends per rank, per collective
 
@@ -234,23 +237,11 @@ def mlp_step_counted(build, b, s, h, group=None):
     return fwd, bwd, max((a - c).abs().max().item() for a, c in pairs)
 
 
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--batch", type=int, default=2, help="b, sequences per batch")
-    p.add_argument("--seq", type=int, default=24, help="s, tokens per sequence")
-    p.add_argument("--hidden", type=int, default=96, help="h; the MLP is h -> 4h -> h")
-    return p
-
-
 def demo(args) -> int:
     T = launch.env_world_size()
-    launch.require(min(args.batch, args.seq, args.hidden) >= 1, "--batch, --seq and --hidden must be at least 1")
-    launch.require(args.hidden % T == 0, f"--hidden {args.hidden} cannot be cut into {T} equal slices: pick a "
-                                         f"multiple of {T}")
+    b, s, h = flags.token_sizes(args)
+    launch.require(h % T == 0, f"--hidden {h} cannot be cut into {T} equal slices: pick a multiple of {T}")
     launch.setup()
-    b = args.batch
-    s = args.seq
-    h = args.hidden
     D = b * s * h * 8  # bytes of one [b, s, h] fp64 activation: the formulas of the docstring
     want = {"naive": (({"all_gather": 2}, 5 * D), ({"all_reduce": 2}, 5 * D)),
             "Megatron": (({"all_reduce": 1}, D), ({"all_reduce": 1}, D))}

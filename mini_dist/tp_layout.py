@@ -122,6 +122,11 @@ def allreduce_sequence_parallel_grads(module, group=None) -> None:
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--hidden", type=int, default=8, help="h: [q; k; v] is [3h, h], the projection [h, h]")
+    return p
+
 
 class ShardedPair(nn.Module):
     """nn.Sequential(nn.Linear(h, 3h), nn.Linear(h, h))'s parameters as T ranks hold them in attention: the
@@ -132,12 +137,6 @@ class ShardedPair(nn.Module):
         self.add_module("0", nn.Linear(h, 3 * h // T, device=device, dtype=torch.float64))
         self.add_module("1", nn.Linear(h // T, h, device=device, dtype=torch.float64))
         self.tp_layout = {"0.weight": Layout(0, parts=3), "0.bias": Layout(0, parts=3), "1.weight": Layout(1)}
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--hidden", type=int, default=8, help="h: [q; k; v] is [3h, h], the projection [h, h]")
-    return p
 
 
 def demo(args) -> int:

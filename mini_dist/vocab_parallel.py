@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 if not __package__:  # run as `torchrun mini_dist/x.py`: Python put mini_dist/ on the path, not the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mini_dist.kit import launch
+from mini_dist.kit import flags, launch
 from mini_dist.comm import (COUNTER, agree, all_reduce, check_divisible, g, gather_from_tp,
                             reduce_scatter_to_sp)
 from mini_dist.tensor_parallel import ColumnParallelLinear, parameter, tp_size
@@ -119,23 +119,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--batch", type=int, default=2, help="b, sequences per batch")
-    p.add_argument("--seq", type=int, default=24, help="s, tokens per sequence")
-    p.add_argument("--hidden", type=int, default=32, help="h, the embedding width")
+    p = flags.tokens(launch.demo_parser(__doc__), hidden=32, hidden_help="h, the embedding width")
     p.add_argument("--vocab", type=int, default=1200, help="V, the vocabulary (cut T ways)")
     return p
 
 
 def demo(args) -> int:
     T = launch.env_world_size()
-    batch = args.batch
-    seq = args.seq
-    h = args.hidden
+    batch, seq, h = flags.token_sizes(args)
     V = args.vocab
-    launch.require(min(batch, seq, h, V) >= 1, "--batch, --seq, --hidden and --vocab must be at least 1")
-    launch.require(V % T == 0, f"a vocabulary of {V} cannot be cut into {T} equal slices: pick --vocab a "
-                   f"multiple of {T} (Megatron pads it to a multiple of 128*T)")
+    launch.require(V >= 1 and V % T == 0, f"a vocabulary of {V} cannot be cut into {T} equal slices: pick --vocab "
+                                          f"a positive multiple of {T} (Megatron pads it to a multiple of 128*T)")
     env = launch.setup()
     dev = env.device
     f64 = torch.float64

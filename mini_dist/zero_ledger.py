@@ -92,6 +92,12 @@ def measure_stage(stage: int, dtype=torch.float32, widths=WIDTHS) -> SimpleNames
 
 # ----------------------------------------------------------------------------- demo
 
+def parser():
+    p = launch.demo_parser(__doc__)
+    p.add_argument("--widths", type=int, nargs="+", default=WIDTHS,
+                   help="MLP widths; the default's N = 4,860 divides by K = 1..5: no padding")
+    return p
+
 
 def ddp_bytes_per_parameter(widths=WIDTHS) -> float:
     """Native DDP + torch.optim.Adam, fp32, after a step: this rank's bytes (weights, grads, state) / N."""
@@ -102,13 +108,6 @@ def ddp_bytes_per_parameter(widths=WIDTHS) -> float:
     models.random_batch_steps(model, ddp, adam, 1)
     got = memory_ledger(model.parameters(), adam)
     return (got["params"] + got["grads"] + got["state"]) / sum(p.numel() for p in model.parameters())
-
-
-def parser():
-    p = launch.demo_parser(__doc__)
-    p.add_argument("--widths", type=int, nargs="+", default=WIDTHS,
-                   help="MLP widths; the default's N = 4,860 divides by K = 1..5: no padding")
-    return p
 
 
 def demo(args) -> int:

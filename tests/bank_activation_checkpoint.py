@@ -1,9 +1,4 @@
-"""The textbook activation checkpoint (activation_checkpoint): hints, solutions that must pass, and classic mistakes
-that must fail, named.
-
-Bodies fill the blanks of exercises/activation_checkpoint.py (kit/exercise.fill), keyed by the function they
-complete; tests/test_activation_checkpoint.py's MISTAKES names what each wrong one gets wrong.
-"""
+"""Activation checkpointing: the exercise's bank (kit/exercise.py); MISTAKES: tests/test_activation_checkpoint.py."""
 from mini_dist.kit import exercise
 from mini_dist.kit.exercise import planted
 

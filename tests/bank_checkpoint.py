@@ -1,8 +1,4 @@
-"""The atomic write (checkpoint): hints, solutions that must pass, and classic mistakes that must fail, named.
-
-Bodies fill the blanks of exercises/checkpoint.py (kit/exercise.fill), keyed by the function they complete;
-tests/checkpoint_exercise.py's MISTAKES names what each wrong one gets wrong.
-"""
+"""The atomic write: the exercise's bank (kit/exercise.py); MISTAKES: tests/checkpoint_exercise.py."""
 from mini_dist.kit import exercise
 from mini_dist.kit.exercise import planted
 

@@ -1,9 +1,4 @@
-"""The planner's overlap read (checkpoint_plan): hints, solutions that must pass, and classic mistakes that must
-fail, named.
-
-Bodies fill the blanks of exercises/checkpoint_plan.py (kit/exercise.fill), keyed by the function they complete;
-tests/checkpoint_plan_exercise.py's MISTAKES names what each wrong one gets wrong.
-"""
+"""The planner's overlap read: the exercise's bank (kit/exercise.py); MISTAKES: tests/checkpoint_plan_exercise.py."""
 HINTS = {
     "plan": [
         "Take the saved pieces of this tensor one by one and ask: do the wanted box and this piece share an element? "

@@ -1,8 +1,4 @@
-"""Megatron's f and g (comm): hints, solutions that must pass, and classic mistakes that must fail, named.
-
-Bodies fill the blanks of exercises/comm.py (kit/exercise.fill), keyed by the function they complete;
-tests/test_comm.py's MISTAKES names what each wrong one gets wrong.
-"""
+"""Megatron's f and g: the exercise's bank (kit/exercise.py); MISTAKES: tests/test_comm.py."""
 HINTS = {
     "CopyToParallelRegion.forward": [
         "backward(ctx, grad) is given no group: whatever it needs from forward travels on ctx.",

@@ -1,9 +1,4 @@
-"""Ring attention's merge (context_parallel): hints, solutions that must pass, and classic mistakes that must fail,
-named.
-
-Bodies fill the blank of exercises/context_parallel.py (kit/exercise.fill); tests/cp_exercise.py's MISTAKES names
-what each wrong one gets wrong.
-"""
+"""Ring attention's merge: the exercise's bank (kit/exercise.py); MISTAKES: tests/cp_exercise.py."""
 HINTS = {
     "merge": [
         "out is softmax attention over keys A alone: its weights sum to 1 over A. Over A and B together, A's keys "

@@ -1,9 +1,4 @@
-"""The cost model exercise (bytes per parameter, per rank at a ZeRO stage, per ring collective): hints, solutions
-that must pass, and classic mistakes that must fail, named.
-
-Bodies fill the blanks of exercises/cost_model.py (kit/exercise.fill), keyed by the function they complete;
-tests/test_cost_model.py's MISTAKES names what each wrong one gets wrong.
-"""
+"""Bytes per parameter and per collective: the exercise's bank (kit/exercise.py); MISTAKES: tests/test_cost_model.py."""
 from mini_dist.kit import exercise
 
 HINTS = {

@@ -1,9 +1,4 @@
-"""The MoE dispatch and combine (expert_parallel): hints, solutions that must pass, and classic mistakes that must
-fail, named.
-
-Bodies fill the blanks of exercises/expert_parallel.py (kit/exercise.fill), keyed by the function they complete;
-tests/ep_exercise.py's MISTAKES names what each wrong one gets wrong.
-"""
+"""The MoE dispatch and combine: the exercise's bank (kit/exercise.py); MISTAKES: tests/ep_exercise.py."""
 from mini_dist.kit import exercise
 from mini_dist.kit.exercise import planted
 

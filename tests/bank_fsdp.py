@@ -1,8 +1,4 @@
-"""FSDP's hooks around a unit (fsdp): hints, solutions that must pass, and classic mistakes that must fail, named.
-
-Bodies fill the blanks of exercises/fsdp.py (kit/exercise.fill), keyed by the function they complete;
-tests/fsdp_exercise.py's MISTAKES names what each wrong one gets wrong.
-"""
+"""FSDP's hooks around a unit: the exercise's bank (kit/exercise.py); MISTAKES: tests/fsdp_exercise.py."""
 from mini_dist.kit.exercise import planted
 
 HINTS = {

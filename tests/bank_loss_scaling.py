@@ -1,8 +1,4 @@
-"""Dynamic loss scaling (loss_scaling): hints, solutions that must pass, and classic mistakes that must fail, named.
-
-Bodies fill the blanks of exercises/loss_scaling.py (kit/exercise.fill), keyed by the function they complete;
-tests/loss_scaling_exercise.py's MISTAKES names what each wrong one gets wrong.
-"""
+"""Dynamic loss scaling: the exercise's bank (kit/exercise.py); MISTAKES: tests/loss_scaling_exercise.py."""
 from mini_dist.kit import exercise
 from mini_dist.kit.exercise import planted
 

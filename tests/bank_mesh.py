@@ -1,9 +1,4 @@
-"""The mesh exercise (a rank's place in the grid, and its groups): hints, solutions that must pass, and classic
-mistakes that must fail, named.
-
-Bodies fill the blanks of exercises/mesh.py (kit/exercise.fill), keyed by the function they complete;
-tests/test_mesh.py's MISTAKES names what each wrong one gets wrong.
-"""
+"""A rank's place in the grid, and its groups: the exercise's bank (kit/exercise.py); MISTAKES: tests/test_mesh.py."""
 from mini_dist.kit import exercise
 
 HINTS = {

@@ -1,9 +1,4 @@
-"""The parallel GPT exercise (its gradients averaged over the ranks that hold the same weights): hints, solutions
-that must pass, and classic mistakes that must fail, named.
-
-Bodies fill the blanks of exercises/parallel_gpt.py (kit/exercise.fill), keyed by the function they complete;
-tests/test_parallel_gpt.py's MISTAKES names what each wrong one gets wrong.
-"""
+"""Gradients averaged over replicas: the exercise's bank (kit/exercise.py); MISTAKES: tests/test_parallel_gpt.py."""
 HINTS = {
     "average_gradients": [
         "Which ranks hold the same copy of a weight and saw other tokens? The loss each rank differentiated is the "

@@ -1,9 +1,4 @@
-"""The textbook 1F1B (pipeline_schedules): hints, solutions that must pass, and classic mistakes that must fail,
-named.
-
-Bodies fill the blank of exercises/pipeline_schedules.py (kit/exercise.fill); tests/pp_exercise.py's MISTAKES
-names what each wrong one gets wrong.
-"""
+"""The textbook 1F1B: the exercise's bank (kit/exercise.py); MISTAKES: tests/pp_exercise.py."""
 from mini_dist.kit.exercise import planted
 
 HINTS = {

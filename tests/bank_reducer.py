@@ -1,8 +1,4 @@
-"""DDP's bucket-ready hook (reducer): hints, solutions that must pass, and classic mistakes that must fail, named.
-
-Bodies fill the blank of exercises/reducer.py (kit/exercise.fill), keyed by the function they complete;
-tests/reducer_exercise.py's MISTAKES names what each wrong one gets wrong.
-"""
+"""DDP's bucket-ready hook: the exercise's bank (kit/exercise.py); MISTAKES: tests/reducer_exercise.py."""
 from mini_dist.kit.exercise import planted
 
 HINTS = {

@@ -1,8 +1,4 @@
-"""Resharding's boxes (reshard): hints, solutions that must pass, and classic mistakes that must fail, named.
-
-Bodies fill the blanks of exercises/reshard.py (kit/exercise.fill), keyed by the function they complete;
-tests/reshard_exercise.py's MISTAKES names what each wrong one gets wrong.
-"""
+"""Resharding's boxes: the exercise's bank (kit/exercise.py); MISTAKES: tests/reshard_exercise.py."""
 from mini_dist.kit.exercise import planted
 
 HINTS = {

@@ -1,9 +1,4 @@
-"""The ring all-reduce exercise: its hints, solutions that must pass, and classic mistakes that must fail, named.
-
-Bodies fill the blanks of exercises/ring_allreduce.py (kit/exercise.fill), keyed by the function they complete.
-tests/test_exercise.py checks every right one passes and every wrong one fails with its mistake named
-(tests/ring_exercise.py's MISTAKES).
-"""
+"""The ring all-reduce: the exercise's bank (kit/exercise.py); MISTAKES: tests/ring_exercise.py."""
 from mini_dist.kit.exercise import planted
 
 HINTS = {

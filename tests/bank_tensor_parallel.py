@@ -1,9 +1,4 @@
-"""Column- and row-parallel linear layers (tensor_parallel): hints, solutions that must pass, and classic mistakes
-that must fail, named.
-
-Bodies fill the blanks of exercises/tensor_parallel.py (kit/exercise.fill), keyed by the function they complete;
-tests/tp_exercise.py's MISTAKES names what each wrong one gets wrong.
-"""
+"""Column- and row-parallel linear layers: the exercise's bank (kit/exercise.py); MISTAKES: tests/tp_exercise.py."""
 HINTS = {
     "column_parallel_linear": [
         "Forward needs nothing from the other ranks: every rank holds all of x, and its rows of the weight give its "

@@ -1,8 +1,4 @@
-"""ZeRO-1's step (zero): hints, solutions that must pass, and classic mistakes that must fail, named.
-
-Bodies fill the blank of exercises/zero.py (kit/exercise.fill), keyed by the function they complete;
-tests/zero_exercise.py's MISTAKES names what each wrong one gets wrong.
-"""
+"""ZeRO-1's step: the exercise's bank (kit/exercise.py); MISTAKES: tests/zero_exercise.py."""
 from mini_dist.kit.exercise import planted
 
 HINTS = {

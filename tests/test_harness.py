@@ -1,5 +1,6 @@
 """The harness itself: results from every rank, failures named by rank, and recovery after them."""
 import os
+import time
 
 import pytest
 import torch
@@ -112,6 +113,14 @@ def test_a_parametrized_propertys_own_example_count_is_scaled_once_not_once_per_
     assert prop._hypothesis_internal_use_settings.max_examples == 96
 
 
+def process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (R running, S sleeping, Z zombie), or "gone"."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
 @pytest.mark.single_process
 def test_a_command_past_its_timeout_fails_the_test_and_leaves_nothing_running(tmp_path):
     """harness.command: a hang ends the test with what the command printed, and every process it started in
@@ -119,9 +128,13 @@ def test_a_command_past_its_timeout_fails_the_test_and_leaves_nothing_running(tm
     pidfile = tmp_path / "child"
     with pytest.raises(pytest.fail.Exception, match=r"still ran after 1 s \(a hang\):\nstarted"):
         harness.command(["bash", "-c", f"echo started; sleep 60 & echo $! > {pidfile}; wait"], timeout=1)
-    try:  # gone, or a zombie its new parent has not reaped yet: not running either way
-        state = open(f"/proc/{int(pidfile.read_text())}/stat").read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        state = "gone"
-    assert state in ("gone", "Z"), state
+    child = int(pidfile.read_text())
+    # killpg returns once the signal is sent; the child may still be exiting (state R) for a moment. One that
+    # survived would sleep on (state S) for its 60 s, so waiting up to 5 s for it to finish cannot hide it.
+    deadline = time.monotonic() + 5
+    state = process_state(child)
+    while state not in ("gone", "Z") and time.monotonic() < deadline:
+        time.sleep(0.01)
+        state = process_state(child)
+    assert state in ("gone", "Z"), state  # gone, or a zombie its new parent has not reaped yet: not running
     assert harness.command(["bash", "-c", "echo done"]).stdout == "done\n"

@@ -104,6 +104,18 @@ def test_every_concept_is_its_idea_in_200_lines_then_its_demo_in_80(rel):
     assert demo <= DEMO_LINES, f"{rel}: the demo has {demo} lines, over {DEMO_LINES}: move its measuring above"
 
 
+@pytest.mark.parametrize("rel", concepts())
+@pytest.mark.single_process
+def test_every_demo_opens_with_its_command_line_and_ends_with_demo(rel):
+    """Below the marker, parser() is the first function (the flags a learner can turn, then what the demo
+    needs) and demo() the last, so every demo reads in the same order."""
+    source = open(os.path.join(PACKAGE, rel)).read()
+    below = source.splitlines().index(MARKER) + 1
+    functions = [n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.lineno > below]
+    assert functions[:1] == ["parser"] and functions[-1:] == ["demo"], f"{rel}: the demo section's functions " \
+        f"are {functions}; put parser() first and demo() last"
+
+
 def packed(tree: ast.AST) -> list[str]:
     """The lines of a module that were packed to save lines: three names assigned from a tuple on one line,
     a lambda given a name, a list multiplied by a condition (`[x] * (cond)`)."""

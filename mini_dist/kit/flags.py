@@ -6,6 +6,8 @@
     attention    --seq, --heads, --head-dim and --batch of an attention split over ranks (context_parallel,
                  ulysses); zigzag_ranks reads back C, the ranks, refused where the zigzag layout cannot cut --seq
     grid_5d      a 5D run: the mesh's degrees, experts, microbatches, schedule, ZeRO stage (train_5d, measure_5d)
+    tokens       --batch, --seq and --hidden of the [b, s, h] activations a layer is split over (tensor_parallel,
+                 vocab_parallel, parallel_transformer); token_sizes checks them and gives b, s, h
 """
 import argparse
 
@@ -32,6 +34,19 @@ def pipeline_ranks(args) -> int:
     launch.require(args.microbatches >= P,
                    f"--microbatches must be at least the rank count, {P}: torch's Schedule1F1B refuses fewer")
     return P
+
+
+def tokens(p: argparse.ArgumentParser, hidden: int, hidden_help: str = "h") -> argparse.ArgumentParser:
+    p.add_argument("--batch", type=int, default=2, help="b, sequences per batch")
+    p.add_argument("--seq", type=int, default=24, help="s, tokens per sequence")
+    p.add_argument("--hidden", type=int, default=hidden, help=hidden_help)
+    return p
+
+
+def token_sizes(args) -> tuple[int, int, int]:
+    """b, s and h, once each is checked: at least 1."""
+    launch.require(min(args.batch, args.seq, args.hidden) >= 1, "--batch, --seq and --hidden must be at least 1")
+    return args.batch, args.seq, args.hidden
 
 
 def attention(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
