@@ -40,6 +40,16 @@ def parts_for(shape):
     return st.tuples(*[st.integers(1, 4) for _ in shape])
 
 
+@pytest.mark.single_process
+@given(n=st.integers(0, 40), world=st.integers(1, 9))
+def test_even_parts_cover_every_row_once_in_rank_order_and_differ_by_one_row_at_most(n, world):
+    parts = [checkpoint_plan.even_part(n, rank, world) for rank in range(world)]
+    assert parts[0][0] == 0 and parts[-1][1] == n, parts
+    assert all(left[1] == right[0] for left, right in zip(parts, parts[1:])), parts
+    sizes = [hi - lo for lo, hi in parts]
+    assert min(sizes) >= 0 and max(sizes) - min(sizes) <= 1, parts
+
+
 # ----- the learner's exercise (./run.sh check checkpoint_plan): the overlap read (tests/checkpoint_plan_exercise.py)
 
 @pytest.mark.exercise(judges=("plan",))

@@ -127,6 +127,15 @@ def test_a_configuration_a_demo_cannot_run_is_one_line_and_exit_2(module, monkey
     assert len(err) == 1 and err[0].startswith(f"{prog}: error: ") and word in err[0], err
 
 
+@pytest.mark.parametrize("module", ["tensor_parallel", "vocab_parallel", "parallel_transformer"])
+@pytest.mark.parametrize("flag", ["--batch", "--seq", "--hidden"])
+def test_the_tensor_parallel_demos_refuse_a_size_of_0_in_one_line(module, flag, monkeypatch, capsys):
+    """flags.token_sizes: the [b, s, h] the three demos share are each at least 1, checked before any group."""
+    assert command_line(module, [flag, "0"], 1, monkeypatch) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("error: --batch, --seq and --hidden must be at least 1"), err
+
+
 def run_sh(*args, env=None):
     environment = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE",
                                                                   "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR",
