@@ -207,7 +207,7 @@ def parser():
 
 
 def share(t: torch.Tensor, rank: int, world: int) -> Sharded:
-    """Rank r of K holds rows [n*r//K, n*(r+1)//K) of a tensor of n rows (none, when K > n)."""
+    """Rank r of K holds its even part of t's rows (none, when K > n): checkpoint_plan.even_part."""
     lo, hi = even_part(len(t), rank, world)
     return Sharded(tuple(t.shape), t.dtype, (((lo,) + (0,) * (t.dim() - 1), t[lo:hi].clone()),))
 

@@ -140,7 +140,7 @@ def parser():
 
 
 def row_box(whole: torch.Tensor, rank: int, world: int) -> dict:
-    """Rank r of K's rows [n*r//K, n*(r+1)//K) of `whole`, as a saved piece (its data kept beside it)."""
+    """Rank r of K's even part of the rows of `whole`, as a saved piece (its data kept beside it)."""
     lo, hi = even_part(len(whole), rank, world)
     return {"name": "w", "offsets": [lo, 0], "lengths": [hi - lo, whole.shape[1]], "data": whole[lo:hi]}
 
